@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create ./.venv with Python 3.12 and install megatron-ext with its test extra.
+# torch is pinned to 2.13.0 in its own, earlier pip call: megatron-core's loose torch
+# requirement would otherwise resolve the newest CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python312() {
+    if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
+    if command -v pyenv >/dev/null 2>&1; then
+        local v
+        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -rV); do
+            PYENV_VERSION="$v" pyenv which python3.12 2>/dev/null && return
+        done
+    fi
+    return 1
+}
+
+PY=$(find_python312) || {
+    echo "error: Python 3.12 not found. megatron-core 0.19.2 needs Python >= 3.12." >&2
+    echo "       Install it (e.g. 'pyenv install 3.12') or put python3.12 on PATH, then rerun." >&2
+    exit 2
+}
+echo "setup: using $PY ($("$PY" --version))"
+if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+echo "setup: installing torch==2.13.0 (CPU runs of the CUDA wheel are fine)"
+.venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
+echo "setup: installing megatron-ext[test]"
+.venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -c 'import megatron.core, megatron_ext; print("setup: megatron-core", megatron.core.__version__)'
