@@ -95,7 +95,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, sizes: Parallel
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, kwargs, sizes, results),
-                         daemon=True) for r in range(world_size)]
+                         daemon=False) for r in range(world_size)]  # ranks may start helpers (checkpoint writers)
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[bool, Any]] = {}

@@ -52,9 +52,9 @@ def load_weights(layer, weights: MoEWeights) -> None:
         for i, e in enumerate(experts):
             layer.experts.local_experts[i].linear_fc1.weight.copy_(weights.fc1[e])
             layer.experts.local_experts[i].linear_fc2.weight.copy_(weights.fc2[e])
-    else:  # megatron_ext grouped experts: fc1 [E_local, H, 2F], fc2 [E_local, F, H]
-        layer.experts.fc1_weight.copy_(weights.fc1[experts.start:experts.stop].transpose(1, 2))
-        layer.experts.fc2_weight.copy_(weights.fc2[experts.start:experts.stop].transpose(1, 2))
+    else:  # megatron_ext grouped experts: fc1 [L, 2F, H], fc2 [L, H, F]
+        layer.experts.fc1_weight.copy_(weights.fc1[experts.start:experts.stop])
+        layer.experts.fc2_weight.copy_(weights.fc2[experts.start:experts.stop])
 
 
 def expert_grads(layer):
@@ -63,7 +63,7 @@ def expert_grads(layer):
         fc1 = torch.stack([m.linear_fc1.weight.grad for m in layer.experts.local_experts])
         fc2 = torch.stack([m.linear_fc2.weight.grad for m in layer.experts.local_experts])
         return fc1, fc2
-    return layer.experts.fc1_weight.grad.transpose(1, 2), layer.experts.fc2_weight.grad.transpose(1, 2)
+    return layer.experts.fc1_weight.grad, layer.experts.fc2_weight.grad
 
 
 def rank_tokens(rank: int, tokens: int, hidden: int, dtype=torch.float32, seed: int = 100):

@@ -1,0 +1,142 @@
+"""Tail-aware SwiGLU for capacity buffers: silu(gate) * up [* prob], valid prefix only.
+
+A capacity buffer holds `valid_rows` (a device scalar) useful rows followed by a tail. Plain
+torch SwiGLU would read and write the whole buffer, spending (cf - 1) / cf of the work on the
+tail and letting tail garbage (NaN, stale rows) flow into gradients. The Triton kernels read
+`valid_rows` on the device and return early for blocks past it: no host sync, no tail work.
+Cost accepted: tail rows of the outputs are left unwritten (the grouped GEMMs never read them).
+
+Layout: `h` [C, 2F] with gate in columns [0, F) and up in [F, 2F) (Megatron's fc1 order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, HAS_PROB: tl.constexpr,
+                       BLOCK_F: tl.constexpr):
+    row = tl.program_id(0)
+    if row >= tl.load(valid_ptr):
+        return
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = cols < F
+    base = row.to(tl.int64) * 2 * F
+    gate = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + base + F + cols, mask=mask, other=0.0).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    if HAS_PROB:
+        act = act * tl.load(prob_ptr + row).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * F + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, valid_ptr, F,
+                       HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr):
+    # One program per row (loops over F) so the prob gradient is a plain per-row dot product.
+    row = tl.program_id(0)
+    if row >= tl.load(valid_ptr):
+        return
+    base = row.to(tl.int64) * 2 * F
+    prob = 1.0
+    if HAS_PROB:
+        prob = tl.load(prob_ptr + row).to(tl.float32)
+    prob_dot = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for start in range(0, F, BLOCK_F):
+        cols = start + tl.arange(0, BLOCK_F)
+        mask = cols < F
+        grad = tl.load(grad_ptr + row.to(tl.int64) * F + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + base + F + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        prob_dot += grad * silu * up
+        grad_act = grad * prob
+        grad_gate = grad_act * up * sig * (1.0 + gate * (1.0 - sig))
+        grad_up = grad_act * silu
+        tl.store(grad_h_ptr + base + cols, grad_gate.to(grad_h_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_h_ptr + base + F + cols, grad_up.to(grad_h_ptr.dtype.element_ty), mask=mask)
+    if HAS_PROB:
+        tl.store(grad_prob_ptr + row, tl.sum(prob_dot, axis=0))
+
+
+def _block_f(F: int) -> int:
+    return min(1024, triton.next_power_of_2(F))
+
+
+def _valid_row_mask(valid_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.arange(rows, device=valid_rows.device) < valid_rows
+
+
+def _forward_torch(h, prob, valid_rows):
+    gate, up = h.float().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    if prob is not None:
+        act = act * prob.float()[:, None]
+    return torch.where(_valid_row_mask(valid_rows, h.shape[0])[:, None], act, 0.0).to(h.dtype)
+
+
+def _backward_torch(grad, h, prob, valid_rows):
+    gate, up = h.float().chunk(2, dim=-1)
+    grad = grad.float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    grad_act = grad if prob is None else grad * prob.float()[:, None]
+    grad_h = torch.cat([grad_act * up * sig * (1 + gate * (1 - sig)), grad_act * silu], dim=-1)
+    valid = _valid_row_mask(valid_rows, h.shape[0])
+    grad_h = torch.where(valid[:, None], grad_h, 0.0).to(h.dtype)
+    grad_prob = None
+    if prob is not None:
+        grad_prob = torch.where(valid, (grad * silu * up).sum(-1), 0.0).to(prob.dtype)
+    return grad_h, grad_prob
+
+
+class _ValidPrefixSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, prob, valid_rows):
+        ctx.save_for_backward(h, prob, valid_rows)
+        if not h.is_cuda:
+            return _forward_torch(h, prob, valid_rows)
+        rows, two_f = h.shape
+        F = two_f // 2
+        out = torch.empty(rows, F, dtype=h.dtype, device=h.device)
+        block = _block_f(F)
+        grid = (rows, triton.cdiv(F, block))
+        _swiglu_fwd_kernel[grid](h, prob if prob is not None else h, out, valid_rows, F,
+                                 HAS_PROB=prob is not None, BLOCK_F=block)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, prob, valid_rows = ctx.saved_tensors
+        grad = grad.contiguous()
+        if not h.is_cuda:
+            grad_h, grad_prob = _backward_torch(grad, h, prob, valid_rows)
+            return grad_h, grad_prob, None
+        rows, two_f = h.shape
+        grad_h = torch.empty_like(h)
+        # Tail rows of grad_prob are defined (zero): it is tiny and callers may reduce over it.
+        grad_prob = torch.zeros_like(prob) if prob is not None else None
+        _swiglu_bwd_kernel[(rows,)](grad, h, prob if prob is not None else h, grad_h,
+                                    grad_prob if grad_prob is not None else h, valid_rows, two_f // 2,
+                                    HAS_PROB=prob is not None, BLOCK_F=min(1024, _block_f(two_f // 2)))
+        return grad_h, grad_prob, None
+
+
+def swiglu_valid_prefix(h: torch.Tensor, valid_rows: torch.Tensor,
+                        prob: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(h[:, :F]) * h[:, F:] (times `prob` per row) for rows < valid_rows.
+
+    `valid_rows`: 0-d or 1-element int32 tensor on h's device. Rows at or past it are zero on
+    CPU and unwritten on GPU; gradients there are likewise never produced from tail contents.
+    """
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"swiglu_valid_prefix expects h [rows, 2F], got shape {tuple(h.shape)}")
+    if valid_rows.device != h.device:
+        raise ValueError(f"valid_rows is on {valid_rows.device} but h is on {h.device}; keep both on one device")
+    if prob is not None and prob.shape != (h.shape[0],):
+        raise ValueError(f"prob must be [rows] = [{h.shape[0]}], got {tuple(prob.shape)}")
+    return _ValidPrefixSwiGLU.apply(h.contiguous(), prob, valid_rows.reshape(()))

@@ -1,0 +1,180 @@
+"""DeviceOffsetGroupedMLP: under Megatron's dispatchers, on capacity buffers, and checkpoints."""
+
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from tests.layer_check import Case, run_and_compare
+from tests.megatron_moe import megatron_moe_layer, moe_config
+from tests.reference import MoEWeights, assert_close, swiglu_expert
+
+
+def _swapped_experts_rank(rank, world, dispatcher):
+    build = functools.partial(megatron_moe_layer, experts_builder=DeviceOffsetGroupedMLP)
+    return run_and_compare(rank, Case(experts=8, tokens=12), build,
+                           config_overrides=dict(moe_token_dispatcher_type=dispatcher))
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("world,ep", [(1, 1), (2, 2), (2, 1)])
+def test_grouped_experts_under_megatron_dispatchers_match_oracle(world, ep, dispatcher):
+    run_on_ranks(_swapped_experts_rank, world, dispatcher, sizes=ParallelSizes(ep=ep))
+
+
+def _capacity_buffer_rank(rank, world, dtype):
+    torch.manual_seed(3)
+    experts, hidden, ffn, capacity = 4, 32, 16, 40
+    config = moe_config(hidden=hidden, ffn=ffn, experts=experts, dtype=dtype)
+    module = DeviceOffsetGroupedMLP(experts, config)
+    weights = MoEWeights.random(experts, hidden, ffn, seed=11, dtype=dtype)
+    with torch.no_grad():
+        module.fc1_weight.copy_(weights.fc1)
+        module.fc2_weight.copy_(weights.fc2)
+    counts = torch.tensor([7, 0, 12, 9])  # one empty expert, 28 valid rows, 12 tail rows
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    valid = int(offsets[-1])
+    x = torch.randn(capacity, hidden).to(dtype)
+    probs = torch.rand(capacity)
+    grad_out = torch.randn(capacity, hidden).to(dtype)
+
+    def run(tail_value):
+        module.zero_grad()
+        buf = x.clone()
+        buf[valid:] = tail_value
+        buf.requires_grad_(True)
+        p = probs.clone().requires_grad_(True)
+        out = module.forward_offsets(buf, offsets, p)
+        g = grad_out.clone()
+        g[valid:] = tail_value  # the combine never writes tail gradients; garbage must not leak
+        out.backward(g)
+        return (out[:valid].detach().clone(), buf.grad[:valid].clone(), p.grad[:valid].clone(),
+                module.fc1_weight.grad.clone(), module.fc2_weight.grad.clone())
+
+    first = run(float("nan"))
+    for name, t in zip(("out", "x grad", "prob grad", "fc1 grad", "fc2 grad"), first):
+        assert torch.isfinite(t.float()).all(), f"{name} picked up the NaN tail"
+    second = run(1e30)
+    for name, a, b in zip(("out", "x grad", "prob grad", "fc1 grad", "fc2 grad"), first, second):
+        assert torch.equal(a, b), f"{name} depends on capacity-tail contents"
+
+    # Oracle: per-expert loop in fp32.
+    ref = MoEWeights(weights.router, weights.fc1.float().requires_grad_(True), weights.fc2.float().requires_grad_(True))
+    xr = x[:valid].float().requires_grad_(True)
+    pr = probs[:valid].clone().requires_grad_(True)
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        gate_up = xr[start:start + n] @ ref.fc1[e].t()
+        gate, up = gate_up.chunk(2, dim=-1)
+        outs.append((torch.nn.functional.silu(gate) * up * pr[start:start + n, None]) @ ref.fc2[e].t())
+        start += n
+    out_ref = torch.cat(outs)
+    (out_ref * grad_out[:valid].float()).sum().backward()
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(first[0], out_ref, rtol, "capacity-buffer output")
+    assert_close(first[1], xr.grad, rtol, "capacity-buffer input grad")
+    assert_close(first[2], pr.grad, rtol, "capacity-buffer prob grad")
+    assert_close(first[3], ref.fc1.grad, 2 * rtol, "fc1 weight grad")
+    assert_close(first[4], ref.fc2.grad, 2 * rtol, "fc2 weight grad")
+    assert torch.count_nonzero(first[3][1]) == 0, "the empty expert got a gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capacity_buffer_tail_never_read_and_matches_oracle(dtype):
+    run_on_ranks(_capacity_buffer_rank, 1, dtype, sizes=ParallelSizes())
+
+
+def _errors_rank(rank, world):
+    config = moe_config(hidden=32, ffn=16, experts=2)
+    module = DeviceOffsetGroupedMLP(2, config)
+    x = torch.randn(8, 32)
+    with pytest.raises(TypeError, match="int32"):
+        module.forward_offsets(x, torch.tensor([3, 8]))
+    with pytest.raises(ValueError, match="device"):
+        module.forward_offsets(x, torch.tensor([3, 8], dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=r"hidden \[rows, 32\]"):
+        module(torch.randn(8, 16), [3, 5])
+    with pytest.raises(TypeError, match="dtype"):
+        module(x.to(torch.bfloat16), [3, 5])
+    checked = DeviceOffsetGroupedMLP(2, config, debug_checks=True)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        checked.forward_offsets(x, torch.tensor([5, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="expert-tensor-parallel-size 1"):
+        DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, etp=2, tp=1))
+    with pytest.raises(ValueError, match="SwiGLU"):
+        DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, gated_linear_unit=False))
+
+
+def test_bad_inputs_are_clear_errors():
+    run_on_ranks(_errors_rank, 1, sizes=ParallelSizes())
+
+
+def _param_attrs_rank(rank, world):
+    module = DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2 * world, ep=world))
+    return [p.allreduce for p in module.parameters()]
+
+
+def test_expert_params_marked_for_expert_ddp_buffers():
+    assert run_on_ranks(_param_attrs_rank, 1, sizes=ParallelSizes()) == [[True, True]]
+    assert run_on_ranks(_param_attrs_rank, 2, sizes=ParallelSizes(ep=2)) == [[False, False]] * 2
+
+
+def _checkpoint_rank(rank, world, ckpt_dir, direction):
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.transformer.spec_utils import get_submodules
+
+    experts_total = 4
+    config = moe_config(hidden=32, ffn=16, experts=experts_total, ep=world)
+    local = experts_total // world
+    mlp_submodules = get_submodules(get_submodules(get_gpt_layer_local_submodules(num_experts=experts_total).mlp).experts)
+    sequential = SequentialMLP(local, config, mlp_submodules, pg_collection=get_default_pg_collection())
+    grouped = DeviceOffsetGroupedMLP(local, config)
+    source, target = (sequential, grouped) if direction == "sequential_to_grouped" else (grouped, sequential)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.fill_(0.123)
+    dist_checkpointing.save(source.sharded_state_dict(prefix="mlp.experts."), ckpt_dir)
+    loaded = dist_checkpointing.load(target.sharded_state_dict(prefix="mlp.experts."), ckpt_dir)
+    target.load_state_dict({k[len("mlp.experts."):]: v for k, v in loaded.items()})
+
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(rank))
+    counts = torch.tensor([4, 6] if local == 2 else [2, 3, 1, 4])
+    probs = torch.ones(10)
+    out_seq, _ = sequential(x, counts, probs)
+    out_grp, _ = grouped(x, counts, probs)
+    assert_close(out_grp, out_seq, 1e-5, f"rank {rank} {direction} output")
+
+
+@pytest.mark.parametrize("direction", ["sequential_to_grouped", "grouped_to_sequential"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpoint_interchanges_with_sequential_mlp(world, direction):
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        run_on_ranks(_checkpoint_rank, world, ckpt_dir, direction,
+                     sizes=ParallelSizes(ep=world))
+
+
+def _plain_state_dict_rank(rank, world):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.transformer.spec_utils import get_submodules
+
+    config = moe_config(hidden=32, ffn=16, experts=2)
+    mlp_submodules = get_submodules(get_submodules(get_gpt_layer_local_submodules(num_experts=2).mlp).experts)
+    sequential = SequentialMLP(2, config, mlp_submodules, pg_collection=get_default_pg_collection())
+    grouped = DeviceOffsetGroupedMLP(2, config)
+    grouped.load_state_dict(sequential.state_dict())
+    x = torch.randn(6, 32)
+    counts, probs = torch.tensor([2, 4]), torch.rand(6)
+    assert_close(grouped(x, counts, probs)[0], sequential(x, counts, probs)[0], 1e-5, "torch-format load")
+
+
+def test_loads_plain_sequential_mlp_state_dict():
+    run_on_ranks(_plain_state_dict_rank, 1, sizes=ParallelSizes())
