@@ -1,0 +1,301 @@
+"""Route map and capacity: exact agreement with a brute-force oracle of the same policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from megatron_ext.moe import route_map as rm
+from megatron_ext.moe.capacity import rank_capacity
+from tests.unit.route_map_oracle import oracle_keep, oracle_rows
+
+NUM_CASES = 240
+SCENARIOS = ("balanced", "zipf", "one_rank", "empty_experts", "overflow", "tiny_capacity",
+             "invalid_ids")
+
+
+def _draw_routes(rnd: random.Random, scenario: str, num_tokens: int, topk: int, m: int,
+                 local: int, weights: list[float]) -> list[list[int]]:
+    num_experts = m * local
+    tokens = []
+    for _ in range(num_tokens):
+        if scenario == "one_rank":
+            d = weights.index(max(weights)) // local  # same target rank on every source
+            pool = list(range(d * local, (d + 1) * local))
+            routes = [rnd.choice(pool) for _ in range(topk)]
+        elif topk <= num_experts and rnd.random() < 0.7:
+            # Megatron's top-k picks distinct experts; sample without replacement by weight.
+            routes, cand, w = [], list(range(num_experts)), list(weights)
+            for _ in range(topk):
+                if sum(w) == 0:
+                    w = [1.0] * len(cand)
+                i = rnd.choices(range(len(cand)), weights=w)[0]
+                routes.append(cand.pop(i))
+                w.pop(i)
+        else:
+            routes = rnd.choices(range(num_experts), weights=weights, k=topk)
+        if scenario == "invalid_ids":
+            routes = [rnd.choice([-1, num_experts, num_experts + 3]) if rnd.random() < 0.2 else e
+                      for e in routes]
+        tokens.append(routes)
+    return tokens
+
+
+def _make_case(seed: int):
+    rnd = random.Random(seed)
+    scenario = SCENARIOS[seed % len(SCENARIOS)]
+    m, local, topk = rnd.choice((1, 2, 4, 8)), rnd.choice((1, 2, 4)), rnd.choice((1, 2, 4))
+    num_experts = m * local
+    max_tokens = rnd.randint(1, 24)
+    if scenario == "zipf" or scenario == "overflow":
+        weights = [1.0 / (r + 1) ** rnd.uniform(1.0, 2.5) for r in range(num_experts)]
+        rnd.shuffle(weights)
+    elif scenario == "empty_experts":
+        weights = [float(rnd.random() < 0.4) for _ in range(num_experts)]
+        weights[rnd.randrange(num_experts)] = 1.0
+    else:
+        weights = [1.0] * num_experts
+    if scenario == "one_rank":
+        weights[rnd.randrange(num_experts)] = 2.0
+    # Each simulated source rank holds its own T <= T_max (T = 0 included).
+    per_rank = [_draw_routes(rnd, scenario, rnd.randint(0, max_tokens), topk, m, local, weights)
+                for _ in range(m)]
+    if scenario == "tiny_capacity":
+        capacity = rnd.randint(0, max(1, m * local - 1))  # fewer rows than buckets
+    elif scenario == "overflow":
+        capacity = rnd.randint(1, max(1, max_tokens * topk // 2))
+    else:
+        factor = rnd.choice((0.25, 0.5, 1.0, 1.25, 2.0))
+        capacity = rank_capacity(max_tokens, topk, m, factor, dropless=rnd.random() < 0.2)
+    return scenario, per_rank, num_experts, capacity, topk
+
+
+def _simulate(per_rank, num_experts, topk):
+    """Count on every simulated source rank and stack the counts as the all-gather would."""
+    tops = [torch.tensor(t, dtype=torch.int64).reshape(len(t), topk) for t in per_rank]
+    requested = torch.stack([rm.count_routes(t, num_experts) for t in tops])
+    return tops, requested
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_matches_oracle(chunk):
+    per_chunk = NUM_CASES // 4
+    for seed in range(chunk * per_chunk, (chunk + 1) * per_chunk):
+        scenario, per_rank, num_experts, capacity, topk = _make_case(seed)
+        where = f"seed={seed} scenario={scenario} M={len(per_rank)} E={num_experts} C={capacity}"
+        tops, requested = _simulate(per_rank, num_experts, topk)
+        keep = rm.plan_keep(requested, capacity)
+        want_keep, want = oracle_rows(per_rank, num_experts, capacity)
+        assert keep.dtype == torch.int32 and keep.tolist() == want_keep, where
+
+        m = len(per_rank)
+        written = {d: [] for d in range(m)}
+        for s, top in enumerate(tops):
+            got = rm.build_route_map(top, requested, keep, s, capacity)
+            exp = want[s]
+            for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets", "row_source"):
+                tensor = getattr(got, name)
+                assert tensor.dtype == torch.int32, (where, name)
+                assert tensor.reshape(-1).tolist() == list(_flatten(exp[name])), (where, name)
+            assert got.dest_rank.shape == top.shape and got.row_source.shape == (capacity,)
+            met = got.metrics
+            assert met.requested_per_expert.tolist() == exp["requested_per_expert"], where
+            assert met.kept_per_expert.tolist() == exp["kept_per_expert"], where
+            assert int(met.dropped_routes) == exp["dropped_routes"], where
+            assert met.buffer_fill.dtype == torch.float32
+            assert abs(float(met.buffer_fill) - exp["buffer_fill"]) < 1e-6, where
+            for d, r in zip(got.dest_rank.reshape(-1).tolist(), got.dest_row.reshape(-1).tolist()):
+                if d >= 0:
+                    written[d].append(r)
+        # Across all sources, each destination's rows are exactly 0..valid-1, no collisions.
+        for d in range(m):
+            valid = want[d]["recv_offsets"][-1]
+            assert sorted(written[d]) == list(range(valid)), (where, d)
+            assert valid <= capacity, where
+
+
+def _flatten(x):
+    for item in x:
+        if isinstance(item, list):
+            yield from _flatten(item)
+        else:
+            yield item
+
+
+def test_scenarios_all_covered():
+    seen = {_make_case(seed)[0] for seed in range(NUM_CASES)}
+    assert seen == set(SCENARIOS)
+    shapes = {(len(c[1]), c[2] // len(c[1]), c[4]) for c in map(_make_case, range(NUM_CASES))}
+    assert {s[0] for s in shapes} == {1, 2, 4, 8}
+    assert {s[1] for s in shapes} == {1, 2, 4} and {s[2] for s in shapes} == {1, 2, 4}
+
+
+def _random_requested(gen: torch.Generator, m: int, local: int, high: int) -> torch.Tensor:
+    req = torch.randint(0, high, (m, m * local), generator=gen, dtype=torch.int32)
+    return req * (torch.rand(req.shape, generator=gen) < 0.7)  # some empty buckets
+
+
+def test_keep_never_exceeds_capacity_or_request():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        m, local = [1, 2, 4, 8][trial % 4], [1, 2, 4][trial % 3]
+        req = _random_requested(gen, m, local, 40)
+        capacity = int(torch.randint(0, 200, (1,), generator=gen))
+        keep = rm.plan_keep(req, capacity)
+        assert (keep >= 0).all() and (keep <= req).all()
+        per_dest = keep.reshape(m, m, local).sum((0, 2))
+        asked = req.reshape(m, m, local).sum((0, 2))
+        # Work-conserving: a destination is either full or keeps everything it was asked.
+        assert torch.equal(per_dest, torch.minimum(asked, torch.tensor(capacity))), trial
+
+
+def test_fair_under_overflow():
+    """No bucket (hence no local expert) with requests is starved while another keeps rows,
+    once the capacity covers one row per nonempty bucket; and shares differ by at most one
+    row unless a bucket asked for less."""
+    gen = torch.Generator().manual_seed(1)
+    checked = 0
+    for trial in range(300):
+        m, local = [2, 4, 8][trial % 3], [1, 2, 4][(trial // 3) % 3]
+        req = _random_requested(gen, m, local, 60)
+        buckets = req.reshape(m, m, local).permute(1, 2, 0).reshape(m, -1)  # [d, l*M+s]
+        nonempty = (buckets > 0).sum(1)
+        total = buckets.sum(1)
+        # Capacity between the number of nonempty buckets and the total: real overflow.
+        d = trial % m
+        low, high = int(nonempty[d]), int(total[d]) - 1
+        if high < low or low == 0:
+            continue
+        capacity = int(torch.randint(low, high + 1, (1,), generator=gen))
+        keep = rm.plan_keep(req, capacity)
+        kept = keep.reshape(m, m, local).permute(1, 2, 0).reshape(m, -1)[d]
+        asked = buckets[d]
+        assert ((asked > 0) <= (kept > 0)).all(), (trial, asked, kept)
+        experts_kept = kept.reshape(local, m).sum(1)
+        assert ((asked.reshape(local, m).sum(1) > 0) <= (experts_kept > 0)).all()
+        short = kept < asked
+        if short.any():
+            assert kept.max() - kept[short].min() <= 1, (trial, asked, kept)
+        checked += 1
+    assert checked > 100
+
+
+def test_not_biased_toward_low_indices():
+    """Every bucket overflows: the spare rows left after the level go to each bucket (hence
+    each local expert and each source rank) about equally often, not to bucket 0."""
+    m, local = 4, 2
+    n = m * local
+    gen = torch.Generator().manual_seed(2)
+    favoured = torch.zeros(n, dtype=torch.int64)
+    trials = 400
+    for _ in range(trials):
+        req = torch.randint(10, 50, (m, m * local), generator=gen, dtype=torch.int32)
+        keep = rm.plan_keep(req, capacity=3 * n + 3)  # level 3 everywhere, 3 spare rows
+        buckets = keep.reshape(m, m, local).permute(1, 2, 0).reshape(m, -1)
+        assert (buckets.sum(1) == 3 * n + 3).all()
+        favoured += (buckets == 4).long().sum(0)
+    share = favoured.float() / (trials * m)  # expected 3 / 8 each
+    assert ((share > 0.3) & (share < 0.45)).all(), share
+
+
+def test_small_examples():
+    # One destination, three buckets of 5, 1, 9 into 8 rows: level 3 -> 3, 1, 3 with 1 spare;
+    # total 15, start 15 % 3 = 0 -> bucket 0 wants more -> 4, 1, 3.
+    req = torch.tensor([[5, 1, 9]], dtype=torch.int32)
+    assert rm.plan_keep(req, 8).tolist() == [[4, 1, 3]]
+    assert oracle_keep([[5, 1, 9]], 8) == [[4, 1, 3]]
+    # Start 16 % 3 = 1: bucket 1 asked for 2 <= level 3, so the spare goes to bucket 2.
+    assert rm.plan_keep(torch.tensor([[5, 2, 9]]), 9).tolist() == [[3, 2, 4]]
+    assert rm.plan_keep(torch.tensor([[5, 1, 9]]), 100).tolist() == [[5, 1, 9]]
+    assert rm.plan_keep(torch.tensor([[5, 1, 9]]), 0).tolist() == [[0, 0, 0]]
+
+
+def test_route_single_rank_and_invalid_ids():
+    top = torch.tensor([[0, 3], [3, -1], [3, 2], [7, 3]])
+    got = rm.route(top, num_experts=4, capacity=2)
+    # Expert 3 asked 4 routes, expert 0 and 2 one each; 2 rows: level 0, two spares
+    # start at 6 % 4 = 2 -> buckets 2, 3 -> experts 2 and 3 keep one each.
+    assert got.dest_row.tolist() == [[-1, 1], [-1, -1], [-1, 0], [-1, -1]]
+    assert got.dest_rank.tolist() == [[-1, 0], [-1, -1], [-1, 0], [-1, -1]]
+    assert got.recv_offsets.tolist() == [0, 0, 1, 2]
+    assert got.row_source.tolist() == [0, 0]
+    assert int(got.metrics.dropped_routes) == 6
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="divisible"):
+        rm.plan_keep(torch.ones(4, 6, dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="capacity"):
+        rm.plan_keep(torch.ones(1, 6, dtype=torch.int32), -1)
+
+
+def test_no_host_sync_on_meta_device():
+    """The meta device has no data: any value read (item, nonzero, mask indexing,
+    value-dependent shape) raises, so finishing proves the path never syncs."""
+    top = torch.empty(12, 2, dtype=torch.int64, device="meta")
+    requested = torch.empty(4, 8, dtype=torch.int32, device="meta")
+    keep = rm.plan_keep(requested, 32)
+    got = rm.build_route_map(top, requested, keep, 2, 32)
+    assert got.dest_row.shape == (12, 2) and got.row_source.shape == (32,)
+    assert got.recv_offsets.shape == (2,) and got.dest_row.device.type == "meta"
+    assert rm.count_routes(top, 8).shape == (8,)
+
+
+def test_no_host_sync_on_cpu(monkeypatch):
+    def forbidden(name):
+        def raise_(*args, **kwargs):
+            raise AssertionError(f"host sync: Tensor.{name} called in the route-map hot path")
+        return raise_
+
+    for name in ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__",
+                 "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(name))
+    monkeypatch.setattr(torch, "nonzero", forbidden("nonzero"))
+    got = rm.route(torch.randint(-1, 9, (32, 2)), num_experts=8, capacity=16)
+    monkeypatch.undo()
+    assert got.dest_row.shape == (32, 2)
+
+
+def _gather_on_ranks(rank, world_size):
+    import torch.distributed as dist
+
+    counts = torch.arange(4, dtype=torch.int32) + 10 * rank
+    gathered = rm.all_gather_counts(counts, dist.group.WORLD)
+    top = torch.tensor([[rank, (rank + 1) % 4]])
+    got = rm.route(top, num_experts=4, capacity=16, group=dist.group.WORLD)
+    return gathered.tolist(), got.dest_row.tolist(), got.dest_rank.tolist()
+
+
+def test_all_gather_counts_gloo():
+    from megatron_ext.cpu_ranks import run_on_ranks
+
+    out = run_on_ranks(_gather_on_ranks, 2)
+    assert out[0][0] == out[1][0] == [[0, 1, 2, 3], [10, 11, 12, 13]]
+    # Both ranks route token 0 to experts (r, r+1): rank 0 -> experts 0,1 (dest 0),
+    # rank 1 -> experts 1 (dest 0, after rank 0's row of expert 1) and 2 (dest 1).
+    assert out[0][1] == [[0, 1]] and out[0][2] == [[0, 0]]
+    assert out[1][1] == [[2, 0]] and out[1][2] == [[0, 1]]
+    single = rm.all_gather_counts(torch.arange(3, dtype=torch.int32), None)
+    assert single.shape == (1, 3)
+
+
+def test_capacity():
+    assert rank_capacity(100, 2, 4, 1.25, dropless=False) == 256  # ceil(250) -> 256
+    assert rank_capacity(8, 1, 1, 1.0, dropless=False) == 16
+    assert rank_capacity(64, 2, 1, 1.0, dropless=False) == 128
+    assert rank_capacity(100, 2, 4, 1.25, dropless=True) == 800
+    assert rank_capacity(3, 3, 3, 1.0, dropless=True) == 32  # 27 -> 32
+    assert rank_capacity(10, 1, 2, 0.01, dropless=False) == 16  # ceil(0.1) = 1 -> 16
+    for kwargs, match in (
+            (dict(capacity_factor=0.0), "capacity_factor"),
+            (dict(capacity_factor=-1.0), "capacity_factor"),
+            (dict(capacity_factor=float("nan")), "capacity_factor"),
+            (dict(max_tokens=0), "max_tokens"),
+            (dict(topk=0), "topk"),
+            (dict(ep_size=0), "ep_size")):
+        args = dict(max_tokens=16, topk=2, ep_size=2, capacity_factor=1.0, dropless=False)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            rank_capacity(**args)
