@@ -1,0 +1,74 @@
+"""MoEExtConfig: every setting of the extension, validated in one place.
+
+Built from keyword arguments or from Megatron's parsed args (`megatron_ext.arguments`); no
+behaviour is switched by environment variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DISPATCHERS = ("rowwise", "megatron")
+TRANSPORTS = ("auto", "torch", "symm", "deepep")
+
+
+@dataclass(frozen=True)
+class MoEExtConfig:
+    """Settings of megatron_ext's MoE parts.
+
+    dispatcher: "rowwise" (device route map + row transfers) or "megatron" (keep Megatron's
+        dispatcher, swap only the experts for DeviceOffsetGroupedMLP).
+    transport: how rows move for "rowwise": "torch" (all_to_all_single reference, any
+        backend), "symm" (symmetric memory + Triton PUT/GET, GPUs in one NVLink domain),
+        "deepep" (DeepEP, optional package), "auto" (symm on GPUs in one NVLink domain, else
+        torch).
+    capacity_factor: per-destination-rank capacity C = round_up(ceil(cf * T_max * K), 16).
+    dropless: size C for the worst case (EP * T_max * K): nothing is ever dropped.
+    max_tokens_per_rank: T_max, the static number of tokens a rank holds in one microbatch;
+        None fixes it from the first forward's input shape (static in Megatron training).
+    mxfp8_dispatch: carry dispatched rows as MXFP8 (E4M3 + E8M0 per 32 values).
+    cuda_graphs: capture the whole MoE layer (forward and backward) in CUDA graphs.
+    ddp_buckets: use megatron_ext's multi-group gradient buckets.
+    metrics_interval: read routing metrics on the host every N steps (0: never).
+    debug_poison: fill capacity tails and released buffers with NaN so stale reads show.
+    debug_checks: extra validation that synchronizes with the host (debug only).
+    lease_slots: dispatch-buffer slots per layer (live microbatches per layer; symm transport).
+    """
+
+    dispatcher: str = "rowwise"
+    transport: str = "auto"
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    max_tokens_per_rank: int | None = None
+    mxfp8_dispatch: bool = False
+    cuda_graphs: bool = False
+    ddp_buckets: bool = False
+    metrics_interval: int = 0
+    debug_poison: bool = False
+    debug_checks: bool = False
+    lease_slots: int = 1
+
+    def __post_init__(self):
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown MoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown row transport {self.transport!r}; choose one of {TRANSPORTS}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}; "
+                             f"use e.g. 1.25, or dropless=True to never drop routes")
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1 (or None), got {self.max_tokens_per_rank}")
+        if self.metrics_interval < 0:
+            raise ValueError(f"metrics_interval must be >= 0, got {self.metrics_interval}")
+        if self.lease_slots < 1:
+            raise ValueError(f"lease_slots must be >= 1, got {self.lease_slots}")
+        if self.dispatcher == "megatron" and self.mxfp8_dispatch:
+            raise ValueError("mxfp8_dispatch needs dispatcher='rowwise' (the payload is quantized inside "
+                             "the rowwise dispatch)")
+        if self.dispatcher == "megatron" and self.cuda_graphs:
+            raise ValueError("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
+                             "dispatchers synchronize with the host. Use dispatcher='rowwise'.")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

@@ -1,0 +1,100 @@
+"""RowwiseTokenDispatcher: Megatron's MoETokenDispatcher interface over device route maps.
+
+Megatron's alltoall dispatcher permutes rows per peer, waits on the host for split sizes, runs
+a variable-split all-to-all, then permutes again. Here every step stays on the device:
+  dispatch_preprocess  routing_map [T, E] -> top-k expert ids [T, K] and their probs (fp32)
+  token_dispatch       route map (one [E] count all-gather), PUT rows into capacity buffers
+  dispatch_postprocess the buffer itself plus per-local-expert counts on the device
+  token_combine        GET the K expert rows per token, prob-weighted sum in fp32
+Written against megatron-core 0.19.2 (MoETokenDispatcher in transformer/moe/token_dispatcher.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.moe.capacity import rank_capacity
+from megatron_ext.moe.route_map import RouteMap, route
+from megatron_ext.moe.row_autograd import combine_rows, dispatch_rows
+from megatron_ext.moe.transport import make_transport
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T, E] bool with K selected experts per token -> [T, K] int64 ids in ascending order.
+
+    Ascending order makes the (t, k) order, and with it "earlier routes win" inside a bucket,
+    deterministic on every device.
+    """
+    selected = torch.topk(routing_map.to(torch.float32), topk, dim=1, sorted=False).indices
+    return torch.sort(selected, dim=1).values
+
+
+class RowwiseTokenDispatcher(MoETokenDispatcher):
+    """Device-only dispatcher: capacity buffers in, capacity buffers out, no host waits."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices, config, ext_config: MoEExtConfig,
+                 pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.ext_config = ext_config
+        self.max_tokens = ext_config.max_tokens_per_rank
+        self.transport = None  # built at the first forward, once T_max (hence C) is known
+        self.route_map: RouteMap | None = None
+        self.top_idx: torch.Tensor | None = None
+        self.cudagraph_attrs = ["route_map", "top_idx"]
+
+    @property
+    def capacity(self) -> int:
+        return self.transport.capacity
+
+    def _ensure_transport(self, num_tokens: int, device: torch.device) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = num_tokens  # static in Megatron training: every microbatch has this shape
+        if num_tokens > self.max_tokens:
+            raise ValueError(
+                f"this rank holds {num_tokens} tokens in a microbatch but the rowwise MoE capacity was "
+                f"sized for max_tokens_per_rank={self.max_tokens}; raise --moe-ext-max-tokens-per-rank "
+                f"(MoEExtConfig.max_tokens_per_rank) to at least {num_tokens}")
+        if self.transport is None:
+            capacity = rank_capacity(self.max_tokens, self.topk, self.ep_size,
+                                     self.ext_config.capacity_factor, self.ext_config.dropless)
+            self.transport = make_transport(self.ext_config, self.ep_group, capacity, device)
+
+    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape = tokens.shape
+        hidden = tokens.reshape(-1, tokens.shape[-1])
+        self._ensure_transport(hidden.shape[0], hidden.device)
+        self.top_idx = routing_map_to_topk(routing_map, self.topk)
+        top_probs = probs.gather(1, self.top_idx).float()
+        return hidden, top_probs
+
+    def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
+        group = self.ep_group if self.ep_size > 1 else None
+        self.route_map = route(self.top_idx, self.num_experts, self.capacity, group)
+        return dispatch_rows(hidden, self.transport, self.route_map), probs
+
+    def dispatch_postprocess(self, hidden: torch.Tensor, probs: torch.Tensor):
+        self.probs = probs
+        # Counts stay on the device; the experts turn them into int32 end offsets.
+        return hidden, self.route_map.recv_counts, None
+
+    def combine_preprocess(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def token_combine(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = combine_rows(hidden, self.probs, self.transport, self.route_map)
+        self.probs = None
+        return out
+
+    def combine_postprocess(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.view(self.hidden_shape)
+
+    def kept_route_mask(self) -> torch.Tensor:
+        """[T, E] bool: which (token, expert) routes of the last forward were kept."""
+        kept = torch.zeros(self.top_idx.shape[0], self.num_experts, dtype=torch.bool, device=self.top_idx.device)
+        return kept.scatter_(1, self.top_idx, self.route_map.dest_row >= 0)

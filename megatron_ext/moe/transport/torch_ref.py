@@ -1,0 +1,68 @@
+"""Reference row transport: fixed per-peer blocks through all_to_all_single (any backend).
+
+Each source lays its kept rows into a [M, C, H] send block at (dest_rank, dest_row) — a source
+never sends more than C rows to one destination, so the slot is simply the destination row —
+and one all_to_all_single with static equal splits moves the blocks (no split sizes on the
+host, no host sync). The receiver knows from the replicated keep decision which source owns
+each of its rows (route.row_source) and gathers them into place.
+Cost accepted: M*C*H elements per exchange instead of the kept rows only, and a zero-filled
+block: it is the correctness oracle and the fallback, not the fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.moe.route_map import RouteMap
+
+
+class TorchRowTransport:
+    def __init__(self, group, capacity: int, poison_tail: bool = False):
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.capacity = capacity
+        self.poison_tail = poison_tail
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """[M * C, H] blocks out, [M * C, H] blocks in (block i to / from rank i)."""
+        if self.size == 1:
+            return send
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv
+
+    def put(self, src: torch.Tensor, route: RouteMap, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        num_tokens, topk = route.dest_row.shape
+        hidden, blocks = src.shape[1], self.size * self.capacity
+        rows = src[:, None, :].expand(num_tokens, topk, hidden)
+        if row_scale is not None:
+            rows = (rows.float() * row_scale[..., None].float()).to(src.dtype)
+        kept = route.dest_row >= 0
+        slot = torch.where(kept, route.dest_rank.long() * self.capacity + route.dest_row.long(), blocks)
+        send = src.new_zeros(blocks + 1, hidden)  # last row: sink for dropped routes
+        send.index_copy_(0, slot.reshape(-1), rows.reshape(-1, hidden))
+        recv = self._exchange(send[:blocks])
+        owner = route.row_source.long()
+        rows_here = torch.arange(self.capacity, device=src.device)
+        buf = recv[owner.clamp(min=0) * self.capacity + rows_here]
+        tail_value = float("nan") if self.poison_tail else 0.0
+        return torch.where((owner >= 0)[:, None], buf, tail_value)
+
+    def get(self, buf: torch.Tensor, route: RouteMap, weights: torch.Tensor | None = None,
+            keep_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, blocks = buf.shape[1], self.size * self.capacity
+        owner = route.row_source.long()
+        rows_here = torch.arange(self.capacity, device=buf.device)
+        slot = torch.where(owner >= 0, owner * self.capacity + rows_here, blocks)
+        send = buf.new_zeros(blocks + 1, hidden)
+        send.index_copy_(0, slot, buf)  # tail rows go to the sink row, never on the wire
+        recv = torch.cat([self._exchange(send[:blocks]), buf.new_zeros(1, hidden)])
+        kept = route.dest_row >= 0
+        source_slot = torch.where(kept, route.dest_rank.long() * self.capacity + route.dest_row.long(), blocks)
+        gathered = recv[source_slot]  # [T, K, H], zero rows for dropped routes
+        if weights is None:
+            out = gathered.float().sum(1)
+        else:
+            out = (gathered.float() * weights[..., None].float()).sum(1)
+        return out.to(buf.dtype), (gathered if keep_gathered else None)

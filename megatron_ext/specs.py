@@ -1,0 +1,112 @@
+"""Spec builders: Megatron's GPT specs with megatron_ext's MoE parts, and a swap for any spec tree.
+
+Composition only: the MLP slot of each MoE layer becomes
+`partial(RowwiseMoELayer, submodules=MoESubmodules(experts=DeviceOffsetGroupedMLP, ...), ext_config=...)`
+(or Megatron's MoELayer with only the experts swapped, for dispatcher="megatron"). Router and
+shared-expert builders are kept from the original spec. Usable from the command line as
+`--spec megatron_ext.specs gpt_block_spec`. Written against megatron-core 0.19.2, where the
+MLP slot is a builder callable (functools.partial of MoELayer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: F401
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from megatron_ext.moe.layer import RowwiseMoELayer
+
+_default_ext_config: MoEExtConfig | None = None
+
+
+def set_default_ext_config(ext_config: MoEExtConfig) -> None:
+    """Config used by spec builders called without one (the launcher sets it from the flags)."""
+    global _default_ext_config
+    _default_ext_config = ext_config
+
+
+def default_ext_config() -> MoEExtConfig:
+    return _default_ext_config or MoEExtConfig()
+
+
+def _is_moe_builder(builder) -> bool:
+    module = builder.func if isinstance(builder, functools.partial) else getattr(builder, "module", builder)
+    return isinstance(module, type) and issubclass(module, MoELayer)
+
+
+def _moe_submodules_of(builder) -> MoESubmodules:
+    if isinstance(builder, functools.partial):
+        return builder.keywords.get("submodules")
+    return builder.submodules
+
+
+def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | None = None):
+    """The MLP-slot builder for one MoE layer, keeping `base`'s router and shared experts."""
+    ext_config = ext_config or default_ext_config()
+    if base is None:  # Megatron's local MoE parts (router, shared-expert MLP)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+        from megatron.core.transformer.spec_utils import get_submodules
+
+        base = get_submodules(get_gpt_layer_local_submodules(num_experts=2).mlp)
+    submodules = dataclasses.replace(base, experts=DeviceOffsetGroupedMLP)
+    if ext_config.dispatcher == "megatron":
+        return functools.partial(MoELayer, submodules=submodules)
+    return functools.partial(RowwiseMoELayer, submodules=submodules, ext_config=ext_config)
+
+
+def swap_moe_parts(spec, ext_config: MoEExtConfig | None = None):
+    """Return a copy of any layer/block spec tree with every MoE MLP slot replaced.
+
+    Walks ModuleSpecs, dataclass submodules (TransformerLayerSubmodules,
+    TransformerBlockSubmodules) and lists of layer specs. Raises if no MoE slot was found,
+    so a spec that silently stays dense does not go unnoticed.
+    """
+    found = []
+
+    def visit(node):
+        if isinstance(node, list):
+            return [visit(item) for item in node]
+        if isinstance(node, ModuleSpec):
+            return dataclasses.replace(node, submodules=visit(node.submodules))
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            changes = {}
+            for field in dataclasses.fields(node):
+                value = getattr(node, field.name)
+                if field.name == "mlp" and _is_moe_builder(value):
+                    found.append(field.name)
+                    changes["mlp"] = moe_builder(ext_config, _moe_submodules_of(value))
+                elif isinstance(value, (list, ModuleSpec)) or (dataclasses.is_dataclass(value)
+                                                               and not isinstance(value, type)):
+                    changes[field.name] = visit(value)
+            return dataclasses.replace(node, **changes) if changes else node
+        return node
+
+    swapped = visit(spec)
+    if not found:
+        raise ValueError("swap_moe_parts found no MoE layer in the spec; build it with num_experts set "
+                         "(e.g. get_gpt_layer_local_spec(num_experts=...))")
+    return swapped
+
+
+def gpt_layer_spec(num_experts: int, ext_config: MoEExtConfig | None = None, use_te: bool = False, **kwargs):
+    """Megatron's GPT layer spec (local or TE flavour) with megatron_ext's MoE parts."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, **kwargs)
+    else:
+        base = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, **kwargs)
+    return swap_moe_parts(base, ext_config)
+
+
+def gpt_block_spec(config, use_transformer_engine: bool = False, ext_config: MoEExtConfig | None = None,
+                   vp_stage: int | None = None, pp_rank: int | None = None, **kwargs):
+    """Megatron's GPT decoder-block spec (honours moe_layer_freq) with megatron_ext's MoE parts."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    base = get_gpt_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage, pp_rank=pp_rank, **kwargs)
+    return swap_moe_parts(base, ext_config)

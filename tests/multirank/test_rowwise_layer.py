@@ -1,0 +1,92 @@
+"""RowwiseMoELayer (reference transport) on gloo ranks against the dense oracle and Megatron."""
+
+import functools
+
+import pytest
+import torch
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.specs import moe_builder
+from tests.layer_check import Case, run_and_compare
+from tests.megatron_moe import load_weights, megatron_moe_layer, moe_config, rank_tokens
+from tests.reference import MoEWeights, assert_close
+
+
+def build_rowwise(config, **ext):
+    return moe_builder(MoEExtConfig(transport="torch", **ext))(config=config)
+
+
+def kept_mask(layer):
+    return layer.token_dispatcher.kept_route_mask()
+
+
+def _rowwise_rank(rank, world, case, ext):
+    return run_and_compare(rank, case, functools.partial(build_rowwise, **ext), keep_of=kept_mask)
+
+
+LAYOUTS = [(1, 1), (2, 2), (2, 1), (4, 4), (4, 2)]
+
+
+@pytest.mark.parametrize("world,ep", LAYOUTS)
+def test_rowwise_dropless_matches_oracle(world, ep):
+    run_on_ranks(_rowwise_rank, world, Case(experts=8, tokens=12), dict(dropless=True), sizes=ParallelSizes(ep=ep))
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 4)])
+def test_rowwise_with_drops_matches_oracle_on_kept_routes(world, ep):
+    # cf 0.5 with skewed random routing: many routes dropped; the oracle uses the same kept set.
+    run_on_ranks(_rowwise_rank, world, Case(experts=8, tokens=16, topk=2), dict(capacity_factor=0.5),
+                 sizes=ParallelSizes(ep=ep))
+
+
+def test_rowwise_poisoned_tails_change_nothing():
+    run_on_ranks(_rowwise_rank, 2, Case(experts=4, tokens=16), dict(capacity_factor=2.0, debug_poison=True),
+                 sizes=ParallelSizes(ep=2))
+
+
+def _vs_megatron_rank(rank, world):
+    """Dropless rowwise vs Megatron's own alltoall MoELayer (SequentialMLP) on the same weights."""
+    case = Case(experts=8, tokens=10)
+    config = moe_config(hidden=case.hidden, ffn=case.ffn, experts=case.experts, topk=case.topk, ep=world)
+    weights = MoEWeights.random(case.experts, case.hidden, case.ffn, seed=5)
+    x, grad_out = rank_tokens(rank, case.tokens, case.hidden)
+    results = []
+    for layer in (megatron_moe_layer(config), build_rowwise(config, dropless=True)):
+        load_weights(layer, weights)
+        x_in = x.clone().view(case.tokens, 1, case.hidden).requires_grad_(True)
+        out, _ = layer(x_in)
+        out.backward(grad_out.view_as(out))
+        results.append((out.detach(), x_in.grad, layer.router.weight.grad))
+    for name, a, b in zip(("output", "input grad", "router grad"), *results):
+        assert_close(b, a, 1e-5, f"rank {rank} rowwise vs Megatron alltoall {name}")
+
+
+def test_rowwise_dropless_equals_megatron_alltoall_layer():
+    run_on_ranks(_vs_megatron_rank, 2, sizes=ParallelSizes(ep=2))
+
+
+def _keep_agreement_rank(rank, world):
+    from megatron.core import parallel_state
+
+    config = moe_config(hidden=16, ffn=8, experts=8, topk=4, ep=world)
+    layer = build_rowwise(config, capacity_factor=0.3)
+    x, _ = rank_tokens(rank, 24, 16)
+    layer(x.view(24, 1, 16))
+    route = layer.token_dispatcher.route_map
+    # The keep decision is replicated: everyone's kept_per_expert must be bitwise identical.
+    kept = route.metrics.kept_per_expert
+    gathered = [torch.empty_like(kept) for _ in range(world)]
+    torch.distributed.all_gather(gathered, kept, group=parallel_state.get_expert_model_parallel_group())
+    assert all(torch.equal(g, kept) for g in gathered), f"ranks disagree on the keep decision: {gathered}"
+    assert int(route.metrics.dropped_routes) > 0, "capacity 0.3 should drop routes in this case"
+    metrics = layer.read_metrics() if layer.training else None
+    return int(route.metrics.dropped_routes), metrics
+
+
+def test_all_ranks_agree_bitwise_on_keep_decision():
+    results = run_on_ranks(_keep_agreement_rank, 4, sizes=ParallelSizes(ep=4))
+    assert all(dropped > 0 for dropped, _ in results)
+    metrics = results[0][1]
+    assert metrics["steps"] == 1 and metrics["dropped_routes"] == results[0][0]
+    assert 0 < metrics["mean_buffer_fill"] <= 1.0
