@@ -125,6 +125,12 @@ def _shim_rng():
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.manual_seed_all = lambda seed: None
+    # The tracker warns when the CPU generator moves inside a "GPU" RNG fork; here they are the
+    # same generator by construction, so the warning carries no information.
+    import logging
+
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
     _applied.append("rng")
 
 

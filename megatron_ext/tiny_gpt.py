@@ -1,0 +1,165 @@
+"""A tiny GPT-MoE on Megatron-Core for CPU ranks: the README's main job and the training tests.
+
+Synthetic, learnable data: each sequence follows a fixed random successor table
+(next = successor[current]), so the loss must fall if forward, backward, routing and gradient
+reduction are right. Gradients are reduced by hand (Megatron's DDP buffers are CUDA-only):
+dense parameters summed over data parallel, expert parameters (allreduce=False) over expert
+data parallel, both divided by the DP size so the objective is the mean loss over all ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ext.config import MoEExtConfig
+
+
+@dataclass(frozen=True)
+class TinyGPTConfig:
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    experts: int = 4
+    topk: int = 2
+    moe_ffn: int = 64
+    vocab: int = 64
+    seq_len: int = 32
+    micro_batch: int = 4
+    lr: float = 3e-3
+    seed: int = 1234
+
+
+def transformer_config(cfg: TinyGPTConfig, ep: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+        ffn_hidden_size=4 * cfg.hidden, moe_ffn_hidden_size=cfg.moe_ffn, num_moe_experts=cfg.experts,
+        moe_router_topk=cfg.topk, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        use_cpu_initialization=True, expert_model_parallel_size=ep, normalization="RMSNorm",
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False,
+    )
+
+
+def build_model(cfg: TinyGPTConfig, ext_config: MoEExtConfig | None, spec_kind: str = "block"):
+    """GPTModel on this rank; `ext_config=None` keeps Megatron's own MoE layer (baseline).
+
+    spec_kind "block": Megatron's decoder-block spec with the MoE parts swapped;
+    "layer": Megatron's single local layer spec (as a custom model would pass) swapped.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    from megatron_ext import specs
+
+    config = transformer_config(cfg, parallel_state.get_expert_model_parallel_world_size())
+    if spec_kind == "block":
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=cfg.experts, normalization="RMSNorm")
+    if ext_config is not None:
+        spec = specs.swap_moe_parts(spec, ext_config)
+    torch.manual_seed(cfg.seed)
+    return GPTModel(config, spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq_len,
+                    position_embedding_type="rope")
+
+
+def synthetic_batch(cfg: TinyGPTConfig, step: int, rank: int):
+    successor = torch.randperm(cfg.vocab, generator=torch.Generator().manual_seed(cfg.seed))
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 104729 + rank)
+    start = torch.randint(0, cfg.vocab, (cfg.micro_batch,), generator=gen)
+    tokens = [start]
+    for _ in range(cfg.seq_len):
+        tokens.append(successor[tokens[-1]])
+    seq = torch.stack(tokens, dim=1)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def reduce_gradients(model) -> None:
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_group()
+    edp = parallel_state.get_expert_data_parallel_group()
+    dp_size = dist.get_world_size(dp)
+    for param in model.parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)  # an expert that got no tokens this step
+        group = edp if getattr(param, "allreduce", True) is False else dp
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(dp_size)
+
+
+def moe_layers(model):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | None, steps: int,
+          log=None, spec_kind: str = "block") -> list[dict]:
+    """Train `steps` steps on this rank; returns per-step records (loss, tokens/s, routing)."""
+    from megatron_ext.sync_audit import count_host_syncs
+
+    model = build_model(cfg, ext_config, spec_kind)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    position_ids = torch.arange(cfg.seq_len)[None].expand(cfg.micro_batch, -1)
+    causal_mask = torch.triu(torch.ones(1, 1, cfg.seq_len, cfg.seq_len, dtype=torch.bool), diagonal=1)
+    records = []
+    for step in range(steps):
+        tokens, labels = synthetic_batch(cfg, step, rank)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with count_host_syncs() as audit:
+            _audit_only_moe(model, audit)
+            loss = model(tokens, position_ids, causal_mask, labels=labels).float().mean()
+            loss.backward()
+        reduce_gradients(model)
+        optimizer.step()
+        elapsed = time.perf_counter() - start
+        loss_value = loss.detach().clone()
+        dist.all_reduce(loss_value)
+        record = {"step": step + 1, "loss": float(loss_value) / world,
+                  "tokens_per_s": world * cfg.micro_batch * cfg.seq_len / elapsed,
+                  "moe_host_syncs": audit.count}
+        record.update(_routing_summary(model))
+        records.append(record)
+        if log is not None and rank == 0:
+            log(record)
+    return records
+
+
+def _audit_only_moe(model, audit) -> None:
+    """Count syncs inside MoE layer forwards only (the rest of the model is not ours to audit)."""
+    audit.active = False
+    for layer in moe_layers(model):
+        if not getattr(layer, "_audit_hooks", None):
+            layer._audit_hooks = True
+            layer.register_forward_pre_hook(lambda module, args: setattr(module._audit, "active", True))
+            layer.register_forward_hook(lambda module, args, out: setattr(module._audit, "active", False))
+        layer._audit = audit
+
+
+def _routing_summary(model) -> dict:
+    summary = {"dropped_routes": 0, "capacity_fill": None, "routes_per_expert": None}
+    fills = []
+    for layer in moe_layers(model):
+        metrics = layer.read_metrics() if hasattr(layer, "read_metrics") else None
+        if metrics is None:
+            continue
+        summary["dropped_routes"] += metrics["dropped_routes"]
+        fills.append(metrics["mean_buffer_fill"])
+        counts = metrics["requested_per_expert"]
+        summary["routes_per_expert"] = counts if summary["routes_per_expert"] is None else [
+            a + b for a, b in zip(summary["routes_per_expert"], counts)]
+    if fills:
+        summary["capacity_fill"] = sum(fills) / len(fills)
+    return summary
