@@ -1,0 +1,72 @@
+"""FoldingMesh.create_groups on gloo ranks: Megatron's getters equal the mesh's pure-math groups."""
+
+import pytest
+import torch.distributed as dist
+
+from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
+from megatron_ext.parallel.folding import FoldingMesh
+
+# (world, mesh kwargs)
+LAYOUTS = [
+    (8, dict(tp=2, ep=4)),
+    (8, dict(tp=2, cp=2, ep=2, etp=1)),
+    (8, dict(pp=2, ep=2)),
+    (8, dict(tp=2, pp=2, ep=4, etp=1)),
+    (8, dict(tp=2, cp=2, pp=2, ep=4, etp=1)),  # TP2 CP2 EP4 with PP2: EDP 1
+    (4, dict(ep=2, etp=2)),
+    (4, dict(cp=2, ep=4, etp=1)),
+]
+
+
+def _groups_rank(rank, world, mesh_kwargs):
+    from megatron.core import parallel_state as ps
+
+    mesh = FoldingMesh(world, **mesh_kwargs)
+    groups = mesh.create_groups(create_gloo_process_groups=False)
+    ranks = dist.get_process_group_ranks
+    found = {
+        "tp": ranks(ps.get_tensor_model_parallel_group()),
+        "cp": ranks(ps.get_context_parallel_group()),
+        "dp": ranks(ps.get_data_parallel_group()),
+        "dp_cp": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        "pp": ranks(ps.get_pipeline_model_parallel_group()),
+        "etp": ranks(ps.get_expert_tensor_parallel_group()),
+        "ep": ranks(ps.get_expert_model_parallel_group()),
+        "edp": ranks(ps.get_expert_data_parallel_group(with_gtp_remat=False)),
+    }
+    expected = {kind: mesh.group_of(rank, kind) for kind in ("tp", "cp", "dp", "dp_cp", "pp")}
+    expected.update({kind: mesh.group_of(rank, kind, mesh="expert") for kind in ("etp", "ep", "edp")})
+    assert found == expected, (rank, found, expected)
+    assert ranks(groups.ep_mp_group) == expected["ep"] and ranks(groups.ep_dp_group) == expected["edp"]
+    assert not groups.adopted
+    # Megatron's rank getters agree with the mesh coordinates.
+    assert ps.get_expert_model_parallel_rank() == mesh.expert_coordinates(rank)["ep"]
+    assert ps.get_tensor_model_parallel_rank() == mesh.attention_coordinates(rank)["tp"]
+    assert ps.get_pipeline_model_parallel_rank() == mesh.attention_coordinates(rank)["pp"]
+    return found
+
+
+@pytest.mark.parametrize("world,mesh_kwargs", LAYOUTS, ids=[f"w{w}-" + "-".join(f"{k}{v}" for k, v in kw.items())
+                                                            for w, kw in LAYOUTS])
+def test_megatron_getters_equal_mesh_groups(world, mesh_kwargs):
+    results = run_on_ranks(_groups_rank, world, mesh_kwargs)
+    assert len(results) == world
+
+
+def _adopt_rank(rank, world, mesh_kwargs):
+    groups = FoldingMesh(world, **mesh_kwargs).create_groups()
+    assert groups.adopted
+    return dist.get_process_group_ranks(groups.ep_dp_group)
+
+
+def test_adopts_matching_megatron_groups():
+    # The harness initializes Megatron first (TP2 CP2 EP2 ETP1); the mesh adopts those groups.
+    results = run_on_ranks(_adopt_rank, 8, dict(tp=2, cp=2, ep=2, etp=1),
+                           sizes=ParallelSizes(tp=2, cp=2, ep=2, etp=1))
+    mesh = FoldingMesh(8, tp=2, cp=2, ep=2, etp=1)
+    assert results == [mesh.group_of(r, "edp", mesh="expert") for r in range(8)]
+
+
+def test_refuses_megatron_groups_of_another_layout():
+    with pytest.raises(RankFailure, match="initialized with a different layout.*ep_mp_group is"):
+        run_on_ranks(_adopt_rank, 4, dict(ep=4), sizes=ParallelSizes(ep=2))

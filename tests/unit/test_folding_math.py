@@ -1,0 +1,283 @@
+"""Parallel Folding mesh math against Megatron 0.19.2's RankGenerator, the validation rules,
+the memory estimator against a hand computation, and the tools/mesh.py CLI."""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+from megatron.core.parallel_state import RankGenerator, _inject_gtp_remat_axis
+
+from megatron_ext.parallel.folding import ATTENTION_KINDS, EXPERT_KINDS, FoldingMesh, rank_groups
+from megatron_ext.parallel.memory import GIB, ModelShape, Precision, estimate, render_memory
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (world, tp, cp, pp, ep, etp, order)
+LAYOUTS = [
+    (8, 2, 1, 1, 4, None, "tp-cp-ep-dp-pp"),  # TP2 EP4 (ETP = TP)
+    (16, 2, 2, 1, 4, None, "tp-cp-ep-dp-pp"),  # TP2 CP2 EP4
+    (8, 2, 2, 1, 2, 1, "tp-cp-ep-dp-pp"),  # ETP != TP, CP folded into EP
+    (8, 1, 1, 2, 2, None, "tp-cp-ep-dp-pp"),  # PP2
+    (4, 1, 1, 1, 2, 2, "tp-cp-ep-dp-pp"),  # ETP > TP
+    (32, 2, 2, 2, 4, 1, "tp-cp-ep-dp-pp"),  # everything at once
+    (16, 2, 1, 2, 2, 1, "tp-cp-ep-pp-dp"),  # pp not last, EDP == DP
+    (16, 2, 1, 2, 1, None, "tp-pp-dp"),  # order without cp and ep
+    (24, 1, 3, 2, 4, 1, "tp-cp-ep-dp-pp"),  # non power of two
+    (64, 4, 1, 1, 8, 2, "tp-ep-cp-dp-pp"),  # a permuted order
+    (512, 1, 1, 8, 8, None, "tp-cp-ep-dp-pp"),  # the report's 512-GPU layout
+    (1024, 2, 2, 4, 16, 1, "tp-cp-ep-dp-pp"),
+    (1024, 8, 1, 8, 8, 1, "tp-cp-ep-dp-pp"),
+    (1024, 1, 4, 2, 32, 2, "tp-cp-ep-dp-pp"),
+]
+
+
+def megatron_generators(mesh):
+    """Megatron's two RankGenerators, built exactly as initialize_model_parallel builds them."""
+    attention = RankGenerator(tp=mesh.tp, ep=1, dp=mesh.dp, pp=mesh.pp, cp=mesh.cp,
+                              order=_inject_gtp_remat_axis(mesh.order, after="tp"), gtp_remat=1)
+    expert = RankGenerator(tp=mesh.etp, ep=mesh.ep, dp=mesh.edp, pp=mesh.pp, cp=1,
+                           order=_inject_gtp_remat_axis(mesh.order, after="ep"), gtp_remat=1)
+    return attention, expert
+
+
+def megatron_token(axes):
+    return "-".join(axes)
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp,order", LAYOUTS)
+def test_groups_equal_megatron_rank_generator(world, tp, cp, pp, ep, etp, order):
+    mesh = FoldingMesh(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    attention, expert = megatron_generators(mesh)
+    for kind, axes in ATTENTION_KINDS.items():
+        assert mesh.attention_groups(kind) == attention.get_ranks(megatron_token(axes)), kind
+    for kind, axes in EXPERT_KINDS.items():
+        assert mesh.expert_groups(kind) == expert.get_ranks(megatron_token(axes)), kind
+    assert mesh.expert_groups("ep_mp") == expert.get_ranks("ep")
+    assert mesh.expert_groups("ep_dp") == expert.get_ranks("dp")
+    # Folding identity and every rank exactly once per kind.
+    assert mesh.tp * mesh.cp * mesh.dp == mesh.etp * mesh.ep * mesh.edp == world // pp
+    for groups in (mesh.attention_groups("dp_cp"), mesh.expert_groups("edp"), mesh.expert_groups("ep")):
+        assert sorted(r for g in groups for r in g) == list(range(world))
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp,order", LAYOUTS[:6])
+def test_coordinates_rebuild_the_groups(world, tp, cp, pp, ep, etp, order):
+    mesh = FoldingMesh(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    for rank in range(world):
+        a, e = mesh.attention_coordinates(rank), mesh.expert_coordinates(rank)
+        assert a["pp"] == e["pp"]
+        tp_group = mesh.group_of(rank, "tp")
+        assert [mesh.attention_coordinates(r)["tp"] for r in tp_group] == list(range(tp))
+        ep_group = mesh.group_of(rank, "ep", mesh="expert")
+        assert [mesh.expert_coordinates(r)["ep"] for r in ep_group] == list(range(ep))
+        assert ep_group.index(rank) == e["ep"]
+
+
+def megatron_accepts(world, tp, cp, pp, ep, etp, order):
+    """Run Megatron's own size checks of initialize_model_parallel (0.19.2) without groups."""
+    etp = tp if etp is None else etp
+    try:
+        if world % (tp * pp * cp):
+            return False
+        dp = world // (tp * pp * cp)
+        if world % (etp * ep * pp):
+            return False
+        edp = world // (etp * ep * pp)
+        attention = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=_inject_gtp_remat_axis(order, "tp"))
+        expert = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order=_inject_gtp_remat_axis(order, "ep"))
+        if not (order.endswith("pp") or pp == 1 or edp == dp):
+            return False
+        return attention.get_ranks("pp") == expert.get_ranks("pp")
+    except (RuntimeError, KeyError, ZeroDivisionError, AssertionError):
+        # AssertionError: with 'tp' missing from the order, RankGenerator's substring test
+        # finds "tp" inside the injected "gtp_remat" and the enumeration asserts later.
+        return False
+
+
+def test_acceptance_matches_megatron_over_a_sweep():
+    orders = ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp", "pp-tp-cp-ep-dp", "tp-ep-dp-pp", "tp-dp-pp"]
+    checked = accepted = 0
+    for world in (4, 8, 12, 16):
+        for tp, cp, pp, ep, etp in itertools.product((1, 2, 4), (1, 2), (1, 2), (1, 2, 4), (None, 1, 2)):
+            for order in orders:
+                expected = megatron_accepts(world, tp, cp, pp, ep, etp, order)
+                try:
+                    mesh = FoldingMesh(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+                except ValueError as error:
+                    assert not expected, (world, tp, cp, pp, ep, etp, order, str(error))
+                else:
+                    assert expected, (world, tp, cp, pp, ep, etp, order)
+                    attention, expert = megatron_generators(mesh)
+                    assert mesh.attention_groups("dp_cp") == attention.get_ranks("dp-cp")
+                    assert mesh.expert_groups("edp") == expert.get_ranks("dp")
+                    accepted += 1
+                checked += 1
+    assert checked > 1000 and 100 < accepted < checked
+
+
+# (kwargs, regex of the message naming the rule, what Megatron does with it:
+#  "rejects" = megatron_accepts() says no; "asserts" = initialize_model_parallel raises on a check
+#  megatron_accepts does not run (VPP, partial distributed optimizer); "stricter" = we reject what
+#  Megatron takes (malformed or unsupported input))
+INVALID = [
+    (dict(world_size=0), r"world_size must be >= 1, got 0", "stricter"),
+    (dict(world_size=8, tp=0), r"tp must be >= 1, got 0", "rejects"),
+    (dict(world_size=8, ep=2, etp=0), r"etp must be >= 1, got 0", "rejects"),
+    (dict(world_size=8, ep="2"), r"ep must be an integer, got '2'", "stricter"),
+    (dict(world_size=24, tp=2, cp=2, pp=4), r"world_size 24 is not divisible by TP\*CP\*PP = 16", "rejects"),
+    (dict(world_size=24, pp=2, ep=8), r"\(world/PP\) = 12 is not divisible by ETP\*EP = 8", "rejects"),
+    (dict(world_size=8, pp=2, order="tp-cp-ep-dp"), r"does not name 'pp' but PP = 2", "rejects"),
+    (dict(world_size=8, cp=2, order="tp-ep-dp-pp"), r"does not name 'cp' but CP = 2 in the attention", "rejects"),
+    (dict(world_size=8, ep=2, order="tp-cp-dp-pp"), r"does not name 'ep' but EP = 2 in the expert", "rejects"),
+    (dict(world_size=8, etp=2, order="cp-ep-dp-pp"), r"does not name 'tp' but ETP = 2 in the expert", "rejects"),
+    (dict(world_size=8, order="tp-cp-ep-xp-pp"), r"unknown axis names \['xp'\]", "rejects"),
+    (dict(world_size=8, order="tp-tp-dp-pp"), r"names \['tp'\] more than once", "stricter"),
+    (dict(world_size=8, order="TP-CP-EP-DP-PP"), r"must be lowercase", "stricter"),
+    (dict(world_size=8, order="tp--dp-pp"), r"empty axis name", "rejects"),
+    (dict(world_size=8, order=None), r"order must be a non-empty string", "stricter"),
+    (dict(world_size=8, order="tp-gtp_remat-cp-ep-dp-pp"), r"weight-rematerialization axis is not modelled",
+     "stricter"),
+    (dict(world_size=16, tp=2, pp=2, ep=2, etp=2, order="tp-cp-ep-pp-dp"),
+     r"EDP = 2 must equal DP = 4 when PP = 2 > 1 and the order 'tp-cp-ep-pp-dp' does not end with 'pp'", "rejects"),
+    (dict(world_size=16, tp=2, cp=2, pp=2, ep=4, etp=1, order="tp-pp-cp-ep-dp"),
+     r"different PP groups for attention \(stride 2\) and experts \(stride 1\)", "rejects"),
+    (dict(world_size=8, vpp=2), r"VPP = 2 needs PP > 1", "asserts"),
+    (dict(world_size=8, dist_opt_instances=3), r"DP\*CP = 8 is not divisible by dist_opt_instances = 3", "asserts"),
+    (dict(world_size=8, ep=4, dist_opt_instances=4), r"EDP = 2 is not divisible by dist_opt_instances = 4", "asserts"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message,megatron", INVALID, ids=[f"invalid{i}" for i in range(len(INVALID))])
+def test_invalid_layouts_name_the_rule(kwargs, message, megatron):
+    with pytest.raises(ValueError, match=message):
+        FoldingMesh(**kwargs)
+    if megatron == "rejects":
+        args = dict(tp=1, cp=1, pp=1, ep=1, etp=None, order="tp-cp-ep-dp-pp")
+        args.update({k: v for k, v in kwargs.items() if k != "world_size"})
+        assert not megatron_accepts(kwargs["world_size"], **args)
+
+
+def test_invalid_messages_are_distinct():
+    messages = set()
+    for kwargs, _, _ in INVALID:
+        with pytest.raises(ValueError) as info:
+            FoldingMesh(**kwargs)
+        messages.add(str(info.value))
+    assert len(messages) == len(INVALID) >= 10
+
+
+def test_defaults_and_derived_sizes():
+    mesh = FoldingMesh(512, pp=8, ep=8)
+    assert (mesh.etp, mesh.dp, mesh.edp, mesh.ranks_per_stage) == (1, 64, 8, 64)
+    assert mesh.stage_ranks(1) == list(range(64, 128))
+    assert mesh.megatron_kwargs()["expert_tensor_parallel_size"] == 1
+    assert FoldingMesh(16, tp=2, cp=2, ep=4).edp == 2  # D*C = 4*... : TP*CP*DP = 16 = ETP*EP*EDP
+    with pytest.raises(ValueError, match="not in the mesh axes"):
+        rank_groups((("tp", 2),), ("dp",))
+
+
+def test_render_lists_both_meshes_per_stage():
+    text = FoldingMesh(16, tp=2, cp=2, pp=2, ep=4, etp=1).render(gpus_per_node=8)
+    assert "attention  TP 2 x CP 2 x DP 2 x PP 2" in text
+    assert "experts    ETP 1 x EP 4 x EDP 2 x PP 2" in text
+    assert "PP stage 0 (8 ranks)" in text and "PP stage 1 (8 ranks)" in text
+    header = next(line for line in text.splitlines() if line.strip().startswith("rank"))
+    assert header.split() == ["rank", "node", "tp", "cp", "dp", "|", "etp", "ep", "edp"]
+    # rank 6: attention tp0 cp1 dp1, experts etp0 ep2 edp1
+    row6 = next(line.split() for line in text.splitlines() if line.split()[:1] == ["6"])
+    assert row6 == ["6", "0", "0", "1", "1", "|", "0", "2", "1"]
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_memory_matches_a_hand_computation():
+    # world 16: TP2 PP2 EP4 ETP1 -> DP 4, EDP 2 (TP*DP = 8 = EP*EDP); 4 layers (first dense), 2 per stage.
+    mesh = FoldingMesh(16, tp=2, pp=2, ep=4, etp=1)
+    assert (mesh.dp, mesh.edp) == (4, 2)
+    model = ModelShape(layers=4, hidden=64, ffn=256, moe_ffn=32, experts=8, topk=2, vocab=1000, dense_layers=1)
+    stages = estimate(model, mesh, Precision("bf16", optimizer="adam", distributed_optimizer=True))
+
+    h = 64
+    attention = (3 * h * h + h * h) // 2 + 2 * h  # QKV + proj over TP2, plus two replicated norms
+    vocab_padded = 1024  # 1000 rounded up to a multiple of 128 * TP2 = 256
+    embedding = vocab_padded * h // 2
+    dense_mlp = 3 * h * 256 // 2
+    router = 8 * h  # replicated over TP
+    experts_here = (8 // 4) * 3 * h * 32  # two local experts of 3 matrices, ETP 1
+    stage0_dense = 2 * attention + dense_mlp + router + embedding  # layers 0 (dense) and 1 (MoE)
+    stage1_dense = 2 * attention + 2 * router + embedding + h  # layers 2, 3 (MoE), output, final norm
+    assert [s.params.dense for s in stages] == [stage0_dense, stage1_dense] == [74_496, 50_496]
+    assert [s.params.expert for s in stages] == [experts_here, 2 * experts_here] == [12_288, 24_576]
+    assert (stages[0].dense_layers, stages[0].moe_layers, stages[1].moe_layers) == (1, 1, 2)
+
+    s0 = stages[0]
+    assert s0.param_bytes.dense == 2 * stage0_dense and s0.grad_bytes.dense == 4 * stage0_dense
+    # Adam: 12 B (fp32 master + 2 moments), sharded over DP*CP = 4 (dense) and EDP = 2 (experts)
+    assert s0.optimizer_bytes.dense == 12 * stage0_dense // 4
+    assert s0.optimizer_bytes.expert == 12 * experts_here // 2
+    assert s0.total_bytes == (2 + 4) * (stage0_dense + experts_here) + 3 * stage0_dense + 6 * experts_here
+    assert s0.total_bytes == 817_920
+
+    total, active = model.total_and_active_params()
+    assert total == 4 * (4 * h * h + 2 * h) + 3 * h * 256 + 3 * (8 * h + 8 * 3 * h * 32) + 2 * 1000 * h + h
+    assert total - active == 3 * (8 - 2) * 3 * h * 32
+
+
+def test_memory_without_distributed_optimizer_and_fit_flag():
+    mesh = FoldingMesh(8, pp=1, ep=8)
+    model = ModelShape(layers=2, hidden=1024, moe_ffn=512, experts=8, topk=2, vocab=512, tie_embeddings=True)
+    (stage,) = estimate(model, mesh, Precision("fp32", optimizer="sgd"))
+    assert stage.embedding_params == 512 * 1024  # tied, PP = 1: one copy
+    assert stage.optimizer_bytes.total == 4 * stage.params.total  # fp32 params: momentum only
+    assert stage.grad_bytes.total == 4 * stage.params.total
+    half = stage.total_bytes / GIB / 2
+    text = render_memory(model, mesh, Precision("fp32", optimizer="sgd"), [stage], gpu_mem_gib=half)
+    assert "DOES NOT FIT" in text and "NO, over by" in text
+
+
+def test_model_on_mesh_divisibility():
+    model = ModelShape(layers=6, hidden=64, moe_ffn=32, experts=6, topk=2, vocab=100)
+    with pytest.raises(ValueError, match="layers 6 is not divisible by PP\\*VPP = 4"):
+        estimate(model, FoldingMesh(8, pp=4), Precision())
+    with pytest.raises(ValueError, match="experts 6 is not divisible by EP = 4"):
+        estimate(model, FoldingMesh(8, ep=4), Precision())
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "mesh.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_tables_and_memory():
+    result = run_cli("--world", "16", "--tp", "2", "--cp", "2", "--pp", "2", "--ep", "4", "--etp", "1",
+                     "--layers", "8", "--hidden", "256", "--moe-ffn", "128", "--experts", "8", "--topk", "2",
+                     "--vocab", "1000", "--gpu-mem-gib", "80", "--distributed-optimizer")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ETP 1 x EP 4 x EDP 2 x PP 2" in out and "PP stage 1 (8 ranks)" in out
+    assert "param GiB d/e" in out and "Fits:" in out
+
+
+def test_cli_big_world_prints_first_stage_only():
+    result = run_cli("--nodes", "64", "--gpus-per-node", "8", "--pp", "8", "--ep", "8")
+    assert result.returncode == 0, result.stderr
+    assert "PP stage 0 (64 ranks)" in result.stdout and "PP stage 1" not in result.stdout
+    assert "ep (EP_MP)" in result.stdout
+
+
+def test_cli_errors_are_argparse_errors():
+    result = run_cli("--world", "24", "--pp", "2", "--ep", "8")
+    assert result.returncode == 2 and "(world/PP) = 12 is not divisible by ETP*EP = 8" in result.stderr
+    result = run_cli("--world", "8", "--layers", "4")
+    assert result.returncode == 2 and "model flags missing" in result.stderr
+    result = run_cli("--world", "8", "--tp", "0")
+    assert result.returncode == 2 and "expected an integer >= 1" in result.stderr
+    result = run_cli("--world", "8", "--layers", "4", "--hidden", "64", "--moe-ffn", "8", "--experts", "4",
+                     "--topk", "2", "--vocab", "10", "--gpu-mem-gib", "0.000001", "--strict")
+    assert result.returncode == 1 and "DOES NOT FIT" in result.stdout
