@@ -76,7 +76,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
         self.route_map = route(self.top_idx, self.num_experts, self.capacity, group)
-        return dispatch_rows(hidden, self.transport, self.route_map), probs
+        buffer, self.lease = dispatch_rows(hidden, self.transport, self.route_map)
+        return buffer, probs
 
     def dispatch_postprocess(self, hidden: torch.Tensor, probs: torch.Tensor):
         self.probs = probs
@@ -89,6 +90,9 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden: torch.Tensor) -> torch.Tensor:
         out = combine_rows(hidden, self.probs, self.transport, self.route_map)
         self.probs = None
+        if not torch.is_grad_enabled():
+            self.transport.release(self.lease)  # no backward will read the dispatch buffer
+        self.lease = None
         return out
 
     def combine_postprocess(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,20 +17,23 @@ from megatron_ext.moe.transport.base import RowTransport
 
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, transport: RowTransport, route: RouteMap):
-        ctx.transport, ctx.route = transport, route
-        return transport.put(tokens, route)
+    def forward(ctx, tokens, transport: RowTransport, route: RouteMap, holder: list):
+        buffer, lease = transport.dispatch(tokens, route)
+        ctx.transport, ctx.route, ctx.lease = transport, route, lease
+        holder.append(lease)
+        return buffer
 
     @staticmethod
-    def backward(ctx, grad_buf):
-        grad_tokens, _ = ctx.transport.get(grad_buf.contiguous(), ctx.route)
-        return grad_tokens, None, None
+    def backward(ctx, grad_buffer):
+        grad_tokens = ctx.transport.dispatch_backward(grad_buffer.contiguous(), ctx.route)
+        ctx.transport.release(ctx.lease)  # the up-projection's Wgrad, its last reader, has run
+        return grad_tokens, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, probs, transport: RowTransport, route: RouteMap):
-        out, gathered = transport.get(expert_out, route, weights=probs, keep_gathered=True)
+        out, gathered = transport.combine(expert_out.contiguous(), route, probs)
         ctx.transport, ctx.route = transport, route
         ctx.save_for_backward(gathered, probs)
         return out
@@ -40,13 +43,15 @@ class _CombineRows(torch.autograd.Function):
         gathered, probs = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         grad_probs = torch.einsum("tkh,th->tk", gathered.float(), grad_out.float()).to(probs.dtype)
-        grad_expert_out = ctx.transport.put(grad_out, ctx.route, row_scale=probs)
+        grad_expert_out = ctx.transport.combine_backward(grad_out, ctx.route, probs)
         return grad_expert_out, grad_probs, None, None
 
 
-def dispatch_rows(tokens: torch.Tensor, transport: RowTransport, route: RouteMap) -> torch.Tensor:
-    """Token rows [T, H] -> this rank's expert-major capacity buffer [C, H]."""
-    return _DispatchRows.apply(tokens, transport, route)
+def dispatch_rows(tokens: torch.Tensor, transport: RowTransport, route: RouteMap):
+    """Token rows [T, H] -> (this rank's expert-major capacity buffer [C, H], its lease)."""
+    holder: list = []
+    buffer = _DispatchRows.apply(tokens, transport, route, holder)
+    return buffer, holder[0]
 
 
 def combine_rows(expert_out: torch.Tensor, probs: torch.Tensor, transport: RowTransport,

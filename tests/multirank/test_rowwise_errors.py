@@ -28,8 +28,10 @@ def _errors_rank(rank, world):
         build(moe_config(experts=4, ep=2, etp=2))
     with pytest.raises(ValueError, match="unknown row transport"):
         MoEExtConfig(transport="carrier-pigeon")
-    with pytest.raises(ValueError, match="not available in this build"):
+    with pytest.raises(ValueError, match="Use --moe-ext-transport torch on CPU"):
         moe_builder(MoEExtConfig(transport="symm"))(config=moe_config(experts=4, ep=2))(torch.randn(4, 1, 32))
+    with pytest.raises(ImportError, match="build DeepEP from source"):
+        moe_builder(MoEExtConfig(transport="deepep"))(config=moe_config(experts=4, ep=2))(torch.randn(4, 1, 32))
     with pytest.raises(TypeError, match="megatron_ext.specs"):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
         from megatron.core.transformer.spec_utils import get_submodules

@@ -3,24 +3,50 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.moe.transport.torch_ref import TorchRowTransport
 
 
+def group_in_one_host(group) -> bool:
+    """Whether every rank of `group` runs on this host (init time: gathers host names)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return True
+    names = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return len(set(names)) == 1
+
+
+def resolve_transport(choice: str, group, device: torch.device) -> str:
+    """'auto' -> 'symm' on CUDA within one host (NVLink domain), else 'torch'; checks explicit picks."""
+    on_gpu = device.type == "cuda"
+    if choice == "auto":
+        return "symm" if on_gpu and group_in_one_host(group) else "torch"
+    if choice == "symm":
+        if not on_gpu:
+            raise ValueError(f"transport='symm' moves rows with Triton kernels over GPU symmetric memory; the "
+                             f"tokens are on {device}. Use --moe-ext-transport torch on CPU.")
+        if not group_in_one_host(group):
+            raise ValueError("transport='symm' needs the expert-parallel group inside one NVLink domain (one "
+                             "host); this group spans hosts. Use --moe-ext-transport deepep or torch.")
+    if choice == "deepep" and importlib.util.find_spec("deep_ep") is None:
+        raise ImportError("transport='deepep' needs the deep_ep package, which has no working PyPI release: "
+                          "build DeepEP from source (README, 'DeepEP backend'), or choose --moe-ext-transport "
+                          "symm (one host) or torch")
+    return choice
+
+
 def make_transport(ext_config, group, capacity: int, device: torch.device):
     """Build the configured transport for one layer's EP group and static capacity."""
-    choice = ext_config.transport
-    poison = ext_config.debug_poison
-    if choice == "auto":
-        choice = "torch"  # symm joins "auto" once its transport lands (issue 5)
+    choice = resolve_transport(ext_config.transport, group, device)
     if choice == "torch":
-        return TorchRowTransport(group, capacity, poison_tail=poison)
-    if choice == "deepep":
-        if importlib.util.find_spec("deep_ep") is None:
-            raise ImportError("transport='deepep' needs the deep_ep package, which has no working PyPI "
-                              "release: build DeepEP from source (README, 'DeepEP backend'), or choose "
-                              "--moe-ext-transport torch")
+        return TorchRowTransport(group, capacity, poison_tail=ext_config.debug_poison)
+    if choice == "symm":
+        from megatron_ext.moe.transport.symm import SymmRowTransport
+
+        return SymmRowTransport(group, capacity, lease_slots=ext_config.lease_slots, poison=ext_config.debug_poison)
     raise ValueError(f"row transport {choice!r} is not available in this build of megatron_ext; "
-                     f"use transport='torch' (--moe-ext-transport torch)")
+                     f"use transport='symm' (GPUs in one host) or 'torch'")

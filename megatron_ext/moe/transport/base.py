@@ -1,17 +1,18 @@
-"""The row-transport interface every backend implements (DESIGN 3.4, 3.5).
+"""The row-transport interface every backend implements: the four transfers (DESIGN 3.4).
 
-Two primitives carry all four MoE transfers; the autograd Functions in moe/row_autograd.py
-compose them:
-
-  put(src [T, H], route, row_scale) -> [C, H]   each kept route (t, k) writes src[t] (times
-      row_scale[t, k] in fp32) into row dest_row[t, k] of rank dest_rank[t, k]'s buffer; the
-      result is this rank's buffer, valid rows packed from row 0.
-      Dispatch forward (scale None) and combine backward (scale = router probs).
-  get(buf [C, H], route, weights, keep_gathered) -> (out [T, H], gathered [T, K, H] | None)
-      each source fetches the rows its routes point at in the owners' buffers and sums them,
-      weighted by `weights` in fp32; dropped routes contribute exactly zero.
-      Combine forward (weights = probs, gathered kept for the prob gradient) and dispatch
-      backward (weights None).
+  dispatch(tokens [T, H], route) -> (buffer [C, H], lease)
+      PUT: each kept route (t, k) writes tokens[t] into row dest_row[t, k] of rank
+      dest_rank[t, k]'s dispatch buffer; returns this rank's buffer (valid rows packed from
+      row 0) and the lease holding it (None where autograd owns the memory).
+  combine(expert_out [C, H], route, probs [T, K]) -> (out [T, H], gathered [T, K, H])
+      GET: each source fetches the K rows its routes point at, sums them weighted by probs in
+      fp32; dropped routes add exactly zero. `gathered` keeps the fetched rows for the
+      prob gradient.
+  combine_backward(grad_out [T, H], route, probs) -> grad_expert_out [C, H]
+      PUT: each source writes probs[t, k] * grad_out[t] into the owner's gradient buffer.
+  dispatch_backward(grad_buffer [C, H], route) -> grad_tokens [T, H]
+      GET: each source fetches and sums its K route gradients.
+  release(lease): the dispatch buffer's last reader (the up-projection's Wgrad) is done.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ from megatron_ext.moe.route_map import RouteMap
 class RowTransport(Protocol):
     capacity: int
 
-    def put(self, src: torch.Tensor, route: RouteMap, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-        ...
+    def dispatch(self, tokens: torch.Tensor, route: RouteMap) -> tuple[torch.Tensor, object]: ...
 
-    def get(self, buf: torch.Tensor, route: RouteMap, weights: torch.Tensor | None = None,
-            keep_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ...
+    def combine(self, expert_out: torch.Tensor, route: RouteMap,
+                probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def combine_backward(self, grad_out: torch.Tensor, route: RouteMap, probs: torch.Tensor) -> torch.Tensor: ...
+
+    def dispatch_backward(self, grad_buffer: torch.Tensor, route: RouteMap) -> torch.Tensor: ...
+
+    def release(self, lease) -> None: ...

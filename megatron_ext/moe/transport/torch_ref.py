@@ -32,7 +32,23 @@ class TorchRowTransport:
         dist.all_to_all_single(recv, send, group=self.group)
         return recv
 
-    def put(self, src: torch.Tensor, route: RouteMap, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    # The four transfers (transport/base.py); autograd owns every buffer, so no leases.
+    def dispatch(self, tokens, route):
+        return self._put(tokens, route), None
+
+    def combine(self, expert_out, route, probs):
+        return self._get(expert_out, route, weights=probs, keep_gathered=True)
+
+    def combine_backward(self, grad_out, route, probs):
+        return self._put(grad_out, route, row_scale=probs)
+
+    def dispatch_backward(self, grad_buffer, route):
+        return self._get(grad_buffer, route)[0]
+
+    def release(self, lease) -> None:
+        pass
+
+    def _put(self, src: torch.Tensor, route: RouteMap, row_scale: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, topk = route.dest_row.shape
         hidden, blocks = src.shape[1], self.size * self.capacity
         rows = src[:, None, :].expand(num_tokens, topk, hidden)
@@ -49,8 +65,8 @@ class TorchRowTransport:
         tail_value = float("nan") if self.poison_tail else 0.0
         return torch.where((owner >= 0)[:, None], buf, tail_value)
 
-    def get(self, buf: torch.Tensor, route: RouteMap, weights: torch.Tensor | None = None,
-            keep_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _get(self, buf: torch.Tensor, route: RouteMap, weights: torch.Tensor | None = None,
+             keep_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, blocks = buf.shape[1], self.size * self.capacity
         owner = route.row_source.long()
         rows_here = torch.arange(self.capacity, device=buf.device)

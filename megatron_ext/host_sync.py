@@ -1,0 +1,54 @@
+"""Proofs of synchronization freedom on the GPU (DESIGN 4), strongest first.
+
+1. `capture_replay(step)`: capture one forward+backward in a CUDA graph and replay it; a host
+   synchronization inside makes capture fail (cudaErrorStreamCaptureInvalidated / "operation
+   not permitted when stream is capturing").
+2. `profiled_sync_calls(step)`: run the step eagerly under torch.profiler and list the CUDA
+   runtime calls that block the host (stream/event/device synchronize, blocking D2H copies).
+3. megatron_ext.sync_audit.count_host_syncs: Python call sites with stacks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import torch
+
+SYNC_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+                      "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize")
+
+
+def profiled_sync_calls(step: Callable[[], object]) -> dict[str, int]:
+    """Blocking CUDA runtime calls made by one eager `step()` (empty dict: none)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+    torch.cuda.synchronize()
+    found = Counter()
+    for event in prof.events():
+        name = event.name
+        if any(call in name for call in SYNC_RUNTIME_CALLS):
+            found[name] += 1
+        elif "Memcpy" in name and "DtoH" in name and "Async" not in name:
+            found[name] += 1  # a blocking device-to-host copy
+    return dict(found)
+
+
+def capture_replay(step: Callable[[], object], warmup: int = 2):
+    """Capture `step()` in a CUDA graph after warm-up on a side stream; return (graph, outputs).
+
+    Raises the capture error unchanged if the step synchronizes with the host.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

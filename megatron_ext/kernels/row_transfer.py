@@ -1,0 +1,218 @@
+"""Row transfers straight into / out of peer capacity buffers (Triton PUT and GET).
+
+Each EP rank owns a capacity buffer [C, H]. A device int64 *peer table* [M] holds the base
+address of every rank's buffer (symmetric-memory peer pointers, or several local tensors for
+EP=1 and for tests). A route map gives, for each route (t, k) of this source rank,
+`dest_rank[t, k]` and `dest_row[t, k]` (int32; -1 = dropped).
+
+- `put_rows`: every kept route stores src[t] (optionally times row_scale[t, k], in fp32) into
+  row dest_row of rank dest_rank's buffer. Used by dispatch forward and combine backward.
+- `get_rows`: out[t] = sum_k weights[t, k] * peer[dest_rank][dest_row], accumulated in fp32;
+  optionally also keeps each fetched row in `gathered[t, k]`. Used by combine forward and
+  dispatch backward.
+
+What this removes: no per-destination packing of send blocks, no host-side split lists
+(no device-to-host copy), no receiver-side permutation; a row is moved once, by the source,
+to its final position. What it accepts: the route map must give distinct rows to distinct
+kept routes and stay inside [0, M) x [0, C) (not checked on device: that would need a host
+sync); peer buffers are contiguous rows of width H, 16-byte aligned, of one dtype; ordering
+between a phase's remote writes and their readers is the caller's job (barrier / signal).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch without Triton: use row_transfer_ref instead
+    triton = None
+
+_BUFFER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_VECTOR_BYTES = 16  # one 128-bit load/store per thread and step
+
+
+def _launch_config(H: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for rows of H elements of `dtype`.
+
+    A block covers up to 8 KiB of a row (4096 bf16, 2048 fp32 elements) so H = 1024..8192 bf16
+    needs 1 or 2 H-steps; warps are sized so each thread moves two 16-byte vectors per step.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_h = min(1 << max(H - 1, 0).bit_length(), 8192 // elem)  # next power of two, capped
+    num_warps = max(1, min(8, block_h * elem // (2 * _VECTOR_BYTES * 32)))
+    return block_h, num_warps
+
+
+def peer_table_from_buffers(buffers) -> torch.Tensor:
+    """An int64 peer table of the given buffers' base addresses (init time, not per step)."""
+    buffers = list(buffers)
+    if not buffers:
+        raise ValueError("peer_table_from_buffers needs at least one buffer")
+    first = buffers[0]
+    for i, buf in enumerate(buffers):
+        if buf.dim() != 2 or buf.shape != first.shape or buf.dtype != first.dtype or buf.device != first.device:
+            raise ValueError(f"buffer {i} is {tuple(buf.shape)} {buf.dtype} on {buf.device}; every peer buffer "
+                             f"must be [C, H] like buffer 0 ({tuple(first.shape)} {first.dtype} on {first.device})")
+        if not buf.is_contiguous():
+            raise ValueError(f"buffer {i} is not contiguous; allocate peer buffers as contiguous [C, H] tensors")
+        if buf.data_ptr() % _VECTOR_BYTES:
+            raise ValueError(f"buffer {i} starts at an address that is not {_VECTOR_BYTES}-byte aligned; "
+                             "use a freshly allocated tensor, not an offset view")
+    return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=first.device)
+
+
+if triton is not None:
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+    @triton.jit
+    def _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, H: tl.constexpr, BUF: tl.constexpr):
+        """(pointer to the route's destination row, kept?) — a dropped route points at rank 0 row 0."""
+        rank = tl.load(dest_rank_ptr + route)
+        row = tl.load(dest_row_ptr + route)
+        kept = (rank >= 0) & (row >= 0)
+        base = tl.load(peer_table_ptr + tl.where(kept, rank, 0)).to(tl.pointer_type(BUF))
+        base = tl.multiple_of(base, 16)
+        return base + tl.where(kept, row, 0).to(tl.int64) * H, kept
+
+    @triton.jit
+    def _put_rows_kernel(src_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, row_scale_ptr,
+                         H: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr, BUF: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            col = h0 + cols
+            in_row = col < H
+            x = tl.load(src_ptr + token * H + col, mask=in_row)
+            for k in tl.static_range(K):  # unrolled: the K row addresses are independent
+                route = token * K + k
+                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, H, BUF)
+                if HAS_SCALE:
+                    value = (x.to(tl.float32) * tl.load(row_scale_ptr + route)).to(BUF)
+                else:
+                    value = x
+                tl.store(dst + col, value, mask=in_row & kept)
+
+    @triton.jit
+    def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr,
+                         H: tl.constexpr, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                         HAS_GATHERED: tl.constexpr, BUF: tl.constexpr, BLOCK_H: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            col = h0 + cols
+            in_row = col < H
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for k in tl.static_range(K):  # unrolled: the K loads are in flight together
+                route = token * K + k
+                src, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, H, BUF)
+                row = tl.load(src + col, mask=in_row & kept, other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    acc += tl.where(kept, tl.load(weights_ptr + route), 0.0) * row
+                else:
+                    acc += row
+                if HAS_GATHERED:
+                    tl.store(gathered_ptr + route * H + col, row.to(gathered_ptr.dtype.element_ty), mask=in_row)
+            tl.store(out_ptr + token * H + col, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+def _require(cond: bool, message: str, error=ValueError) -> None:
+    if not cond:
+        raise error(message)
+
+
+def _check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
+    """Shape/dtype/layout checks shared by put_rows and get_rows; returns (T, K, H)."""
+    _require(triton is not None, f"{op}: Triton is not installed; use megatron_ext.kernels.row_transfer_ref",
+             RuntimeError)
+    _require(rows_like.dim() == 2, f"{op}: rows must be [T, H], got shape {tuple(rows_like.shape)}")
+    T, H = rows_like.shape
+    for name, t in (("dest_rank", dest_rank), ("dest_row", dest_row)):
+        _require(t.dtype == torch.int32, f"{op}: {name} must be int32, got {t.dtype}; convert with .to(torch.int32)",
+                 TypeError)
+        _require(t.dim() == 2 and t.shape[0] == T,
+                 f"{op}: {name} must be [T={T}, K], got shape {tuple(t.shape)}")
+    _require(dest_rank.shape == dest_row.shape,
+             f"{op}: dest_rank {tuple(dest_rank.shape)} and dest_row {tuple(dest_row.shape)} differ in shape")
+    K = dest_rank.shape[1]
+    _require(peer_table.dtype == torch.int64, f"{op}: peer_table must be int64 base addresses, got "
+             f"{peer_table.dtype}; build it with peer_table_from_buffers", TypeError)
+    _require(peer_table.dim() == 1 and peer_table.numel() > 0,
+             f"{op}: peer_table must be a non-empty 1-D [M] tensor, got shape {tuple(peer_table.shape)}")
+    for name, t in per_route:
+        if t is None:
+            continue
+        _require(t.dtype == torch.float32, f"{op}: {name} must be float32, got {t.dtype}", TypeError)
+        _require(t.shape == dest_rank.shape, f"{op}: {name} must be [T, K] = {tuple(dest_rank.shape)}, "
+                 f"got {tuple(t.shape)}")
+    tensors = [("rows", rows_like), ("dest_rank", dest_rank), ("dest_row", dest_row), ("peer_table", peer_table)]
+    tensors += [(n, t) for n, t in per_route if t is not None]
+    for name, t in tensors:
+        _require(t.is_contiguous(), f"{op}: {name} is not contiguous; pass {name}.contiguous()")
+        _require(t.device == rows_like.device,
+                 f"{op}: {name} is on {t.device} but the rows are on {rows_like.device}; keep all on one device")
+    return T, K, H
+
+
+def _check_runnable(op, rows_like):
+    _require(rows_like.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+             f"{op}: tensors are on {rows_like.device}; the Triton kernels need CUDA tensors (on CPU use "
+             "megatron_ext.kernels.row_transfer_ref, or set TRITON_INTERPRET=1 before importing triton)")
+
+
+def _config(H, dtype, block_h, num_warps):
+    default_block_h, default_warps = _launch_config(H, dtype)
+    block_h = default_block_h if block_h is None else block_h
+    _require(block_h > 0 and block_h & (block_h - 1) == 0, f"block_h must be a power of two, got {block_h}")
+    return block_h, default_warps if num_warps is None else num_warps
+
+
+def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
+             row_scale: torch.Tensor | None = None, *, block_h: int | None = None,
+             num_warps: int | None = None) -> None:
+    """Store src[t] (times row_scale[t, k] in fp32, if given) into peer dest_rank[t, k]'s buffer row
+    dest_row[t, k] for every kept route; dropped routes (-1) write nothing. Buffers have src's dtype."""
+    T, K, H = _check_common("put_rows", src, dest_rank, dest_row, peer_table, (("row_scale", row_scale),))
+    _require(src.dtype in _BUFFER_DTYPES, f"put_rows: src dtype {src.dtype} not supported; use one of "
+             f"{_BUFFER_DTYPES}", TypeError)
+    _check_runnable("put_rows", src)
+    if T == 0 or K == 0 or H == 0:
+        return
+    block_h, num_warps = _config(H, src.dtype, block_h, num_warps)
+    _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale, H, K,
+                           HAS_SCALE=row_scale is not None, BUF=_TL_DTYPES[src.dtype], BLOCK_H=block_h,
+                           num_warps=num_warps)
+
+
+def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, out: torch.Tensor,
+             weights: torch.Tensor | None = None, gathered: torch.Tensor | None = None, *,
+             buffer_dtype: torch.dtype | None = None, block_h: int | None = None,
+             num_warps: int | None = None) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * peer[dest_rank[t, k]][dest_row[t, k]] (fp32 accumulation, weights
+    None = 1, dropped routes add exactly 0); if `gathered` [T, K, H] is given, it receives every fetched
+    row (0 for dropped). Peer buffers hold `buffer_dtype` (default: out's dtype). Returns out."""
+    T, K, H = _check_common("get_rows", out, dest_rank, dest_row, peer_table, (("weights", weights),))
+    buffer_dtype = out.dtype if buffer_dtype is None else buffer_dtype
+    for name, dtype in (("buffer_dtype", buffer_dtype), ("out", out.dtype)):
+        _require(dtype in _BUFFER_DTYPES, f"get_rows: {name} {dtype} not supported; use one of {_BUFFER_DTYPES}",
+                 TypeError)
+    if gathered is not None:
+        _require(gathered.shape == (T, K, H), f"get_rows: gathered must be [T, K, H] = {(T, K, H)}, "
+                 f"got {tuple(gathered.shape)} (H must match out's)")
+        _require(gathered.dtype in _BUFFER_DTYPES, f"get_rows: gathered dtype {gathered.dtype} not supported",
+                 TypeError)
+        _require(gathered.is_contiguous(), "get_rows: gathered is not contiguous; pass a contiguous tensor")
+        _require(gathered.device == out.device, f"get_rows: gathered is on {gathered.device}, out on {out.device}")
+    _check_runnable("get_rows", out)
+    if T == 0 or H == 0:
+        return out
+    block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
+    _get_rows_kernel[(T,)](peer_table, dest_rank, dest_row, out, out if weights is None else weights,
+                           out if gathered is None else gathered, H, K, HAS_WEIGHTS=weights is not None,
+                           HAS_GATHERED=gathered is not None, BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h,
+                           num_warps=num_warps)
+    return out

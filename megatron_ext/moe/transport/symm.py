@@ -1,0 +1,91 @@
+"""Symmetric-memory row transport: Triton PUT/GET straight into peers' capacity buffers.
+
+Cost removed (vs the reference transport and Megatron's alltoall): no per-peer send blocks,
+no zero fill, no split sizes on the host, no receiver permutation; each kept row moves once,
+from the source token to its final row in the owner's buffer, and the grouped GEMM reads that
+buffer in place. Costs accepted: a device-side barrier over the EP group after every PUT phase
+and before every GET phase (none with one rank), and one [C, H] copy per GET phase into the
+shared symmetric scratch (torch._grouped_mm cannot write into a given buffer).
+
+Ordering (one stream per rank, DESIGN 3.5): a PUT phase writes peers' buffers, then barriers,
+so its readers see every row. A GET phase first copies its source into scratch, barriers, then
+reads peers. A scratch buffer is rewritten only after the barrier of a later phase, which every
+rank reaches after finishing its reads of the previous phase.
+Works with one GPU (EP=1: the tables hold local buffers only) and with GPUs in one NVLink
+domain (CUDA backend of torch symmetric memory, whose buffer_ptrs are peer-mapped addresses).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.kernels.row_transfer import get_rows, put_rows
+from megatron_ext.moe.buffers import LeasePool, allocate_symmetric, shared_scratch
+from megatron_ext.moe.route_map import RouteMap
+
+
+class SymmRowTransport:
+    def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False):
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.capacity = capacity
+        self.lease_slots = lease_slots
+        self.poison = poison
+        self.pool: LeasePool | None = None
+
+    def _ensure_buffers(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        if self.pool is not None:
+            if self.pool.slots[0].local.shape[1] != hidden or self.pool.slots[0].local.dtype != dtype:
+                raise ValueError(f"this layer's symmetric buffers were allocated for hidden "
+                                 f"{self.pool.slots[0].local.shape[1]} {self.pool.slots[0].local.dtype}, "
+                                 f"got {hidden} {dtype}: hidden size and dtype must stay fixed")
+            return
+        shape = (self.capacity, hidden)
+        self.shape, self.dtype, self.device = shape, dtype, device
+        slots = [allocate_symmetric(shape, dtype, device, self.group) for _ in range(self.lease_slots)]
+        self.pool = LeasePool(slots, poison=self.poison)
+
+    def _scratch(self, role: str):
+        buffer = shared_scratch(role, self.shape, self.dtype, self.device, self.group)
+        if self.poison:
+            buffer.local.fill_(float("nan"))
+        return buffer
+
+    def dispatch(self, tokens: torch.Tensor, route: RouteMap):
+        self._ensure_buffers(tokens.shape[1], tokens.dtype, tokens.device)
+        lease = self.pool.acquire()
+        put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table)
+        lease.buffer.barrier()
+        return lease.buffer.local, lease
+
+    def combine(self, expert_out: torch.Tensor, route: RouteMap, probs: torch.Tensor):
+        source = self._gather_source("combine_source", expert_out)
+        num_tokens, topk = route.dest_row.shape
+        out = torch.empty(num_tokens, expert_out.shape[1], dtype=expert_out.dtype, device=expert_out.device)
+        gathered = torch.empty(num_tokens, topk, expert_out.shape[1], dtype=expert_out.dtype,
+                               device=expert_out.device)
+        get_rows(source.peer_table, route.dest_rank, route.dest_row, out, probs.float().contiguous(), gathered)
+        return out, gathered
+
+    def combine_backward(self, grad_out: torch.Tensor, route: RouteMap, probs: torch.Tensor) -> torch.Tensor:
+        target = self._scratch("combine_grad")
+        put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, probs.float().contiguous())
+        target.barrier()
+        return target.local
+
+    def dispatch_backward(self, grad_buffer: torch.Tensor, route: RouteMap) -> torch.Tensor:
+        source = self._gather_source("dispatch_grad", grad_buffer)
+        out = torch.empty(route.dest_row.shape[0], grad_buffer.shape[1], dtype=grad_buffer.dtype,
+                          device=grad_buffer.device)
+        return get_rows(source.peer_table, route.dest_rank, route.dest_row, out)
+
+    def _gather_source(self, role: str, rows: torch.Tensor):
+        """Copy this rank's rows into the role's symmetric scratch and fence the group."""
+        source = self._scratch(role)
+        source.local.copy_(rows)
+        source.barrier()
+        return source
+
+    def release(self, lease) -> None:
+        if lease is not None:
+            lease.release()

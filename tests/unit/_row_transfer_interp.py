@@ -1,0 +1,138 @@
+"""Triton row-transfer kernels vs the torch reference, under Triton's CPU interpreter.
+
+Run as a script in a fresh process with TRITON_INTERPRET=1 in its environment (the variable is
+read when triton is imported, and a pytest process has imported triton already):
+
+    TRITON_INTERPRET=1 python tests/unit/_row_transfer_interp.py
+
+Several local CPU buffers stand in for the peers through an int64 pointer table. Exits 0 when
+every case matches, nonzero with a message otherwise. Importing this module has no side
+effects: the route generator and the brute-force loops below are shared with the pytest tests.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def random_routes(T: int, K: int, M: int, capacity: int, drop: float, seed: int, device="cpu"):
+    """(dest_rank, dest_row) int32 [T, K]: random ranks, a `drop` fraction dropped (-1), rows
+    assigned in a random order densely from 0 on each rank, routes past `capacity` dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    n = T * K
+    rank = torch.randint(0, M, (n,), generator=gen)
+    kept = torch.rand(n, generator=gen) >= drop
+    order = torch.randperm(n, generator=gen)
+    hits = torch.nn.functional.one_hot(rank[order], M) * kept[order].unsqueeze(1)
+    row_in_order = (hits.cumsum(0) - 1).gather(1, rank[order].unsqueeze(1)).squeeze(1)
+    row = torch.empty(n, dtype=torch.long).scatter_(0, order, row_in_order)
+    kept &= row < capacity
+    rank, row = torch.where(kept, rank, -1), torch.where(kept, row, -1)
+    return (rank.view(T, K).to(torch.int32).to(device), row.view(T, K).to(torch.int32).to(device))
+
+
+def brute_force_put(src, dest_rank, dest_row, buffers, row_scale=None):
+    for t in range(src.shape[0]):
+        for k in range(dest_rank.shape[1]):
+            r, row = int(dest_rank[t, k]), int(dest_row[t, k])
+            if r < 0 or row < 0:
+                continue
+            scale = 1.0 if row_scale is None else row_scale[t, k]
+            buffers[r][row] = (src[t].float() * scale).to(buffers[r].dtype)
+
+
+def brute_force_get(buffers, dest_rank, dest_row, out, weights=None, gathered=None):
+    T, K = dest_rank.shape
+    for t in range(T):
+        acc = torch.zeros(out.shape[1], dtype=torch.float32)
+        for k in range(K):
+            r, row = int(dest_rank[t, k]), int(dest_row[t, k])
+            fetched = torch.zeros_like(buffers[0][0]) if r < 0 or row < 0 else buffers[r][row]
+            if gathered is not None:
+                gathered[t, k] = fetched
+            if r >= 0 and row >= 0:
+                acc = acc + (1.0 if weights is None else weights[t, k]) * fetched.float()
+        out[t] = acc.to(out.dtype)
+    return out
+
+
+def tolerance(dtype):
+    return {torch.float32: (1e-6, 1e-6), torch.bfloat16: (1.6e-2, 1e-2)}[dtype]  # (atol, rtol)
+
+
+def check_case(M, dtype, T, K, H, C, block_h, scaled, seed, failures):
+    from megatron_ext.kernels.row_transfer import get_rows, peer_table_from_buffers, put_rows
+    from megatron_ext.kernels.row_transfer_ref import get_rows_ref, put_rows_ref
+
+    name = f"M={M} {dtype} T={T} K={K} H={H} C={C} block_h={block_h} scaled={scaled}"
+    gen = torch.Generator().manual_seed(seed)
+    dest_rank, dest_row = random_routes(T, K, M, C, drop=0.25, seed=seed)
+    src = torch.randn(T, H, generator=gen).to(dtype)
+    scale = torch.rand(T, K, generator=gen) if scaled else None
+    atol, rtol = tolerance(dtype)
+
+    # PUT: buffers start as NaN; the kernel must fill exactly the kept rows and leave the rest NaN.
+    got = [torch.full((C, H), float("nan"), dtype=dtype) for _ in range(M)]
+    want = [b.clone() for b in got]
+    put_rows(src, dest_rank, dest_row, peer_table_from_buffers(got), scale, block_h=block_h)
+    put_rows_ref(src, dest_rank, dest_row, want, scale)
+    for m in range(M):
+        targeted = torch.zeros(C, dtype=torch.bool)
+        targeted[dest_row[dest_rank == m].long()] = True
+        if not got[m][~targeted].isnan().all():
+            failures.append(f"put {name}: rank {m} wrote rows that no kept route targets")
+        if dtype == torch.float32 and not torch.equal(got[m][targeted], want[m][targeted]):
+            failures.append(f"put {name}: rank {m} kept rows differ from the reference (fp32 must be exact)")
+        elif not torch.allclose(got[m][targeted].float(), want[m][targeted].float(), atol=atol, rtol=rtol):
+            failures.append(f"put {name}: rank {m} kept rows differ from the reference beyond {dtype} tolerance")
+
+    # GET: every row no kept route targets is NaN, so reading one (or a dropped route) shows up.
+    peers = [torch.full((C, H), float("nan"), dtype=dtype) for _ in range(M)]
+    for m, buf in enumerate(peers):
+        buf[dest_row[dest_rank == m].long()] = torch.randn(int((dest_rank == m).sum()), H, generator=gen).to(dtype)
+    weights = torch.rand(T, K, generator=gen) if scaled else None
+    for out_dtype in (dtype, torch.float32):
+        out, out_ref = torch.full((T, H), float("nan"), dtype=out_dtype), torch.empty(T, H, dtype=out_dtype)
+        gathered, gathered_ref = torch.full((T, K, H), float("nan"), dtype=dtype), torch.empty(T, K, H, dtype=dtype)
+        get_rows(peer_table_from_buffers(peers), dest_rank, dest_row, out, weights, gathered, buffer_dtype=dtype,
+                 block_h=block_h)
+        get_rows_ref(peers, dest_rank, dest_row, out_ref, weights, gathered_ref)
+        o_atol, o_rtol = tolerance(out_dtype) if dtype == torch.float32 else tolerance(torch.bfloat16)
+        if not torch.allclose(out.float(), out_ref.float(), atol=o_atol, rtol=o_rtol):
+            err = (out.float() - out_ref.float()).abs().max().item()
+            failures.append(f"get {name} out={out_dtype}: max error {err:.3g} beyond tolerance")
+        if not torch.equal(gathered, gathered_ref):
+            failures.append(f"get {name} out={out_dtype}: gathered rows differ from the reference")
+    # Without weights or gathered.
+    out, out_ref = torch.empty(T, H, dtype=dtype), torch.empty(T, H, dtype=dtype)
+    get_rows(peer_table_from_buffers(peers), dest_rank, dest_row, out, block_h=block_h)
+    get_rows_ref(peers, dest_rank, dest_row, out_ref)
+    if not torch.allclose(out.float(), out_ref.float(), atol=atol, rtol=rtol):
+        failures.append(f"get {name} (no weights): differs from the reference")
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    failures: list[str] = []
+    cases = 0
+    for M in (1, 2, 4):
+        for dtype in (torch.float32, torch.bfloat16):
+            # H=40 with block_h=16 runs three H-steps, the last one masked; None = _launch_config.
+            for H, block_h, scaled in ((40, 16, True), (64, None, False)):
+                check_case(M, dtype, T=7, K=3, H=H, C=12, block_h=block_h, scaled=scaled,
+                           seed=cases, failures=failures)
+                cases += 1
+    for line in failures:
+        print("MISMATCH", line)
+    print(f"{cases} cases, {len(failures)} mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

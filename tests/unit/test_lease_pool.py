@@ -1,0 +1,40 @@
+"""Lease pool: slots are held until released, exhaustion is a clear error, poison fills NaN."""
+
+import pytest
+import torch
+
+from megatron_ext.moe.buffers import LeasePool, allocate_symmetric
+
+
+def make_pool(slots, poison=False):
+    return LeasePool([allocate_symmetric((4, 8), torch.float32, torch.device("cpu"), None) for _ in range(slots)],
+                     poison=poison)
+
+
+def test_slots_are_exclusive_until_released():
+    pool = make_pool(2)
+    first, second = pool.acquire(), pool.acquire()
+    assert {first.slot, second.slot} == {0, 1} and pool.live == 2
+    with pytest.raises(RuntimeError, match="raise --moe-ext-lease-slots"):
+        pool.acquire()
+    first.release()
+    first.release()  # idempotent: a double release must not free someone else's slot
+    third = pool.acquire()
+    assert third.slot == first.slot and pool.live == 2
+    with pytest.raises(RuntimeError):
+        pool.acquire()
+
+
+def test_poison_marks_released_and_fresh_slots():
+    pool = make_pool(1, poison=True)
+    lease = pool.acquire()
+    assert torch.isnan(lease.buffer.local).all(), "a fresh slot must be poisoned before rows are written"
+    lease.buffer.local.fill_(1.0)
+    lease.release()
+    assert torch.isnan(pool.slots[0].local).all(), "a released slot must be poisoned"
+
+
+def test_single_rank_peer_table_points_at_the_local_buffer():
+    buf = allocate_symmetric((4, 8), torch.float32, torch.device("cpu"), None)
+    assert buf.peer_table.dtype == torch.int64 and buf.peer_table.tolist() == [buf.local.data_ptr()]
+    buf.barrier()  # no-op with one rank

@@ -1,0 +1,150 @@
+"""Row transfers: the torch reference against brute-force loops, the Triton kernels against the
+reference under Triton's interpreter (in a subprocess), and the kernels' argument checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_ext.kernels.row_transfer import _launch_config, get_rows, peer_table_from_buffers, put_rows
+from megatron_ext.kernels.row_transfer_ref import get_rows_ref, put_rows_ref
+from tests.unit._row_transfer_interp import brute_force_get, brute_force_put, random_routes
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_reference_matches_brute_force(M, dtype, scaled):
+    T, K, H, C = 9, 4, 24, 14
+    gen = torch.Generator().manual_seed(M * 10 + scaled)
+    dest_rank, dest_row = random_routes(T, K, M, C, drop=0.3, seed=M + scaled)
+    assert (dest_row < 0).any() and (dest_row >= 0).any()
+    src = torch.randn(T, H, generator=gen).to(dtype)
+    scale = torch.rand(T, K, generator=gen) if scaled else None
+
+    got = [torch.full((C, H), float("nan"), dtype=dtype) for _ in range(M)]
+    want = [b.clone() for b in got]
+    put_rows_ref(src, dest_rank, dest_row, got, scale)
+    brute_force_put(src, dest_rank, dest_row, want, scale)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)  # tails still NaN, rows exact
+
+    peers = [torch.full((C, H), float("nan"), dtype=dtype) for _ in range(M)]
+    for m, buf in enumerate(peers):  # only targeted rows hold data; reading anything else gives NaN
+        buf[dest_row[dest_rank == m].long()] = torch.randn(int((dest_rank == m).sum()), H, generator=gen).to(dtype)
+    weights = torch.rand(T, K, generator=gen) if scaled else None
+    out, out_bf = torch.empty(T, H, dtype=dtype), torch.empty(T, H, dtype=dtype)
+    gathered, gathered_bf = torch.empty(T, K, H, dtype=dtype), torch.empty(T, K, H, dtype=dtype)
+    get_rows_ref(peers, dest_rank, dest_row, out, weights, gathered)
+    brute_force_get(peers, dest_rank, dest_row, out_bf, weights, gathered_bf)
+    torch.testing.assert_close(out, out_bf, rtol=0, atol=0)
+    torch.testing.assert_close(gathered, gathered_bf, rtol=0, atol=0)
+    assert not out.isnan().any()
+
+
+def test_reference_dropped_routes_add_exact_zero():
+    """A dropped route with a NaN weight, pointing (by its row) at a NaN row, still adds 0."""
+    peers = [torch.tensor([[1.0, 2.0], [float("nan")] * 2])]
+    dest_rank = torch.tensor([[0, -1]], dtype=torch.int32)
+    dest_row = torch.tensor([[0, -1]], dtype=torch.int32)
+    weights = torch.tensor([[0.5, float("nan")]])
+    out = get_rows_ref(peers, dest_rank, dest_row, torch.empty(1, 2), weights)
+    assert out.tolist() == [[0.5, 1.0]]
+
+
+def test_reference_put_to_rank_without_routes_leaves_it_untouched():
+    bufs = [torch.arange(6.0).view(3, 2), torch.full((3, 2), -1.0)]
+    before = [b.clone() for b in bufs]
+    put_rows_ref(torch.ones(2, 2), torch.tensor([[0], [-1]], dtype=torch.int32),
+                 torch.tensor([[2], [-1]], dtype=torch.int32), bufs)
+    assert torch.equal(bufs[0][:2], before[0][:2]) and bufs[0][2].tolist() == [1.0, 1.0]
+    assert torch.equal(bufs[1], before[1])
+
+
+def test_triton_kernels_match_reference_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_row_transfer_interp.py")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"interpreter run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert "0 mismatches" in proc.stdout, proc.stdout
+
+
+def test_launch_config_defaults():
+    assert _launch_config(2048, torch.bfloat16) == (2048, 4)
+    assert _launch_config(8192, torch.bfloat16) == (4096, 8)
+    assert _launch_config(1024, torch.bfloat16) == (1024, 2)
+    assert _launch_config(4096, torch.float32) == (2048, 8)
+    assert _launch_config(40, torch.float32) == (64, 1)
+
+
+def _routes(T=3, K=2):
+    return torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("rank_int64", TypeError, "dest_rank must be int32"),
+    ("row_shape", ValueError, "dest_row must be"),
+    ("table_int32", TypeError, "peer_table must be int64"),
+    ("src_noncontig", ValueError, "rows is not contiguous"),
+    ("scale_shape", ValueError, "row_scale must be"),
+    ("scale_dtype", TypeError, "row_scale must be float32"),
+    ("cpu", ValueError, "need CUDA tensors"),
+])
+def test_put_rows_rejects_bad_arguments(case, error, match):
+    src = torch.zeros(3, 8)
+    dest_rank, dest_row = _routes()
+    table = torch.zeros(2, dtype=torch.int64)
+    scale = None
+    if case == "rank_int64":
+        dest_rank = dest_rank.long()
+    elif case == "row_shape":
+        dest_row = torch.zeros(4, 2, dtype=torch.int32)
+    elif case == "table_int32":
+        table = table.int()
+    elif case == "src_noncontig":
+        src = torch.zeros(8, 3).t()
+    elif case == "scale_shape":
+        scale = torch.ones(3, 3)
+    elif case == "scale_dtype":
+        scale = torch.ones(3, 2, dtype=torch.bfloat16)
+    if case == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter accepts CPU tensors")
+    with pytest.raises(error, match=match):
+        put_rows(src, dest_rank, dest_row, table, scale)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("gathered_h", ValueError, r"gathered must be \[T, K, H\]"),
+    ("weights_dtype", TypeError, "weights must be float32"),
+    ("routes_mismatch", ValueError, "differ in shape"),
+    ("out_int", TypeError, "not supported"),
+])
+def test_get_rows_rejects_bad_arguments(case, error, match):
+    out = torch.zeros(3, 8)
+    dest_rank, dest_row = _routes()
+    weights, gathered = None, None
+    if case == "gathered_h":
+        gathered = torch.zeros(3, 2, 4)
+    elif case == "weights_dtype":
+        weights = torch.ones(3, 2, dtype=torch.float64)
+    elif case == "routes_mismatch":
+        dest_row = torch.zeros(3, 1, dtype=torch.int32)
+    elif case == "out_int":
+        out = torch.zeros(3, 8, dtype=torch.int32)
+    with pytest.raises(error, match=match):
+        get_rows(torch.zeros(2, dtype=torch.int64), dest_rank, dest_row, out, weights, gathered)
+
+
+def test_peer_table_rejects_mismatched_or_offset_buffers():
+    with pytest.raises(ValueError, match="every peer buffer must be"):
+        peer_table_from_buffers([torch.zeros(4, 8), torch.zeros(4, 16)])
+    with pytest.raises(ValueError, match="aligned"):
+        peer_table_from_buffers([torch.zeros(40)[2:34].view(4, 8)])
+    table = peer_table_from_buffers([torch.zeros(4, 8), torch.zeros(4, 8)])
+    assert table.dtype == torch.int64 and table.shape == (2,)

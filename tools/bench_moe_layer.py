@@ -1,0 +1,151 @@
+"""MoE layer forward+backward on one GPU: Megatron's paths against megatron_ext's, same inputs.
+
+Paths (same router weights, expert weights, tokens and output gradients):
+  megatron_alltoall        Megatron MoELayer, local spec (SequentialMLP), alltoall dispatcher
+  megatron_alltoall_gg     Megatron's alltoall dispatcher with DeviceOffsetGroupedMLP experts
+  rowwise_torch            RowwiseMoELayer, reference all_to_all transport
+  rowwise_symm             RowwiseMoELayer, symmetric-memory Triton transport
+  rowwise_symm_graph       rowwise_symm captured in one CUDA graph (forward+backward), replayed
+Reported per path: median fwd+bwd ms (CUDA events, after warm-up), model TFLOP/s (useful
+tokens only), peak memory above baseline, blocking CUDA calls per step (profiler), host
+submission ms per layer step, and the measured dense bf16 GEMM rate for the same FLOPs.
+
+    python tools/bench_moe_layer.py [--tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.bench_common import (cuda_time_ms, host_time_ms, init_single_rank_megatron, median,  # noqa: E402
+                                moe_model_flops, peak_memory, write_result)
+
+PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph")
+
+
+def build(path: str, args, weights):
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+    from megatron_ext.specs import moe_builder
+    from tests.megatron_moe import load_weights, megatron_moe_layer, moe_config
+
+    config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
+                        dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32")
+    if path == "megatron_alltoall":
+        layer = megatron_moe_layer(config)
+    elif path == "megatron_alltoall_gg":
+        layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
+    else:
+        transport = "torch" if path == "rowwise_torch" else "symm"
+        layer = moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor,
+                                         dropless=args.dropless))(config=config)
+    layer = layer.cuda()
+    load_weights(layer, weights)
+    return layer
+
+
+def make_step(layer, x, grad_out):
+    def step():
+        x.grad = None
+        out, _ = layer(x)
+        out.backward(grad_out)
+        return out
+    return step
+
+
+def dense_gemm_tflops(flops: float, hidden: int) -> float:
+    """Rate of one square-ish bf16 matmul doing the same FLOPs, measured now."""
+    n = hidden
+    m = max(256, int(flops / (2 * n * n)))
+    a = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = median(cuda_time_ms(lambda: a @ b, warmup=5, iters=20))
+    return 2 * m * n * n / ms / 1e9
+
+
+def measure(path, args, weights, x, grad_out, flops):
+    from megatron_ext.host_sync import capture_replay, profiled_sync_calls
+
+    layer = build(path, args, weights)
+    x = x.clone().requires_grad_(True)
+    step = make_step(layer, x, grad_out)
+    result = {"path": path}
+    if path == "rowwise_symm_graph":
+        graph, _ = capture_replay(step)
+        step = graph.replay
+    step()
+    times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
+    result["fwd_bwd_ms"] = median(times)
+    result["tflops"] = flops / result["fwd_bwd_ms"] / 1e9
+    result["host_submit_ms"] = median(host_time_ms(step, warmup=2, iters=args.iters))
+    result["memory"] = peak_memory(step)
+    result["blocking_cuda_calls"] = sum(profiled_sync_calls(step).values())
+    if hasattr(layer, "read_metrics"):
+        metrics = layer.read_metrics()
+        if metrics:
+            result["dropped_routes_per_step"] = metrics["dropped_routes"] / metrics["steps"]
+            result["mean_buffer_fill"] = metrics["mean_buffer_fill"]
+            result["capacity_rows"] = metrics["capacity"]
+    del layer
+    torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--dropless", action="store_true")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--name", default="moe_layer")
+    args = parser.parse_args()
+    from tests.reference import MoEWeights
+
+    init_single_rank_megatron()
+    weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=gen).bfloat16()
+    grad_out = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
+    flops = moe_model_flops(args.tokens, args.topk, args.hidden, args.ffn)
+    dense = dense_gemm_tflops(flops / 3, args.hidden)
+    rows = []
+    for path in args.paths.split(","):
+        try:
+            rows.append(measure(path, args, weights, x, grad_out, flops))
+        except Exception as error:  # report and go on: one broken path must not hide the others
+            rows.append({"path": path, "error": f"{type(error).__name__}: {error}"})
+        print(rows[-1], flush=True)
+    base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
+    print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
+          f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")
+    print(f"{'path':22s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {'%dense':>7s} {'speedup':>8s} {'host ms':>8s} "
+          f"{'syncs':>6s} {'peak MiB':>9s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['path']:22s} ERROR {r['error']}")
+            continue
+        r["pct_dense_gemm"] = 100 * r["tflops"] / dense
+        r["speedup_vs_megatron"] = base / r["fwd_bwd_ms"] if base else None
+        mem = (r["memory"] or {}).get("peak_above_baseline_bytes", 0) / 2**20
+        speed = f"{r['speedup_vs_megatron']:.2f}x" if base else "-"
+        print(f"{r['path']:22s} {r['fwd_bwd_ms']:10.2f} {r['tflops']:8.0f} {r['pct_dense_gemm']:6.0f}% {speed:>8s} "
+              f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f}")
+    path = write_result(args.name, {"args": vars(args), "dense_gemm_tflops": dense, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
