@@ -20,7 +20,18 @@ SYNC_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDevi
 
 
 def profiled_sync_calls(step: Callable[[], object]) -> dict[str, int]:
-    """Blocking CUDA runtime calls made by one eager `step()` (empty dict: none)."""
+    """Blocking CUDA runtime calls made by one eager `step()` (empty dict: none).
+
+    The profiler itself synchronizes the device when it stops; those calls are measured on an
+    empty step and subtracted.
+    """
+    own = _blocking_calls(lambda: None)
+    found = _blocking_calls(step)
+    found.subtract(own)
+    return {name: n for name, n in found.items() if n > 0}
+
+
+def _blocking_calls(step: Callable[[], object]) -> Counter:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -34,7 +45,7 @@ def profiled_sync_calls(step: Callable[[], object]) -> dict[str, int]:
             found[name] += 1
         elif "Memcpy" in name and "DtoH" in name and "Async" not in name:
             found[name] += 1  # a blocking device-to-host copy
-    return dict(found)
+    return found
 
 
 def capture_replay(step: Callable[[], object], warmup: int = 2):

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.bench_common import (cuda_time_ms, host_time_ms, init_single_rank_megatron, median,  # noqa: E402
-                                moe_model_flops, peak_memory, write_result)
+                                moe_model_flops, peak_memory, profile_kernels, write_result)
 
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph")
 
@@ -52,8 +52,12 @@ def build(path: str, args, weights):
 
 
 def make_step(layer, x, grad_out):
+    params = list(layer.parameters())
+
     def step():
         x.grad = None
+        for param in params:  # the layer's own work only: no gradient accumulation adds
+            param.grad = None
         out, _ = layer(x)
         out.backward(grad_out)
         return out
@@ -68,6 +72,26 @@ def dense_gemm_tflops(flops: float, hidden: int) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = median(cuda_time_ms(lambda: a @ b, warmup=5, iters=20))
     return 2 * m * n * n / ms / 1e9
+
+
+def host_hotspots(step, iters: int = 10, top: int = 25) -> list[str]:
+    """Python functions with the most own host time over `iters` steps (cProfile)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = []
+    for (filename, line, func), (_, calls, own, cumulative, _) in list(stats.stats.items()):
+        rows.append((own, f"{own / iters * 1e3:7.3f} ms own {cumulative / iters * 1e3:7.3f} ms cum "
+                          f"{calls // iters:5d} calls  {func} ({os.path.basename(filename)}:{line})"))
+    return [text for _, text in sorted(rows, reverse=True)[:top]]
 
 
 def measure(path, args, weights, x, grad_out, flops):
@@ -87,6 +111,9 @@ def measure(path, args, weights, x, grad_out, flops):
     result["host_submit_ms"] = median(host_time_ms(step, warmup=2, iters=args.iters))
     result["memory"] = peak_memory(step)
     result["blocking_cuda_calls"] = sum(profiled_sync_calls(step).values())
+    if path in args.profile.split(","):
+        result["kernels"] = profile_kernels(step, iters=3, top=12)
+        result["host_hotspots"] = host_hotspots(step)
     if hasattr(layer, "read_metrics"):
         metrics = layer.read_metrics()
         if metrics:
@@ -111,6 +138,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--name", default="moe_layer")
+    parser.add_argument("--profile", default="", help="comma-separated paths to profile (kernels, host hotspots)")
     args = parser.parse_args()
     from tests.reference import MoEWeights
 
@@ -127,7 +155,11 @@ def main():
             rows.append(measure(path, args, weights, x, grad_out, flops))
         except Exception as error:  # report and go on: one broken path must not hide the others
             rows.append({"path": path, "error": f"{type(error).__name__}: {error}"})
-        print(rows[-1], flush=True)
+        for line in rows[-1].pop("host_hotspots", []):
+            print("  host:", line, flush=True)
+        for kernel in rows[-1].get("kernels", {}).get("top_kernels", []):
+            print(f"  kernel: {kernel['ms_per_iter']:7.3f} ms x{kernel['calls_per_iter']:.0f} {kernel['name'][:110]}")
+        print({k: v for k, v in rows[-1].items() if k != "kernels"}, flush=True)
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
           f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")

@@ -75,7 +75,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
-        self.route_map = route(self.top_idx, self.num_experts, self.capacity, group)
+        self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
+                               compiled=self.ext_config.compile_route_map and hidden.is_cuda)
         buffer, self.lease = dispatch_rows(hidden, self.transport, self.route_map)
         return buffer, probs
 

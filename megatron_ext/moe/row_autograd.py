@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.kernels.route_dot import route_dot
 from megatron_ext.moe.route_map import RouteMap
 from megatron_ext.moe.transport.base import RowTransport
 
@@ -42,7 +43,7 @@ class _CombineRows(torch.autograd.Function):
     def backward(ctx, grad_out):
         gathered, probs = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grad_probs = torch.einsum("tkh,th->tk", gathered.float(), grad_out.float()).to(probs.dtype)
+        grad_probs = route_dot(gathered, grad_out).to(probs.dtype)
         grad_expert_out = ctx.transport.combine_backward(grad_out, ctx.route, probs)
         return grad_expert_out, grad_probs, None, None
 

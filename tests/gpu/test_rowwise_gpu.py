@@ -129,3 +129,18 @@ def test_profiler_check_sees_megatron_alltoall_syncs(weights):
     x, g = inputs(8)
     run_step(layer, x, g)
     assert profiled_sync_calls(functools.partial(run_step, layer, x, g)), "the check must be able to fail"
+
+
+def test_compiled_route_map_equals_eager():
+    from megatron_ext.moe.route_map import route
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    for capacity in (4096, 20000):  # with and without drops
+        logits = torch.randn(4096, 64, device="cuda", generator=gen)
+        logits[:, :4] += 2.0  # skew towards a few experts
+        top_idx = logits.topk(8, dim=1).indices
+        eager = route(top_idx, 64, capacity)
+        compiled = route(top_idx, 64, capacity, compiled=True)
+        for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets", "row_source"):
+            assert torch.equal(getattr(eager, name), getattr(compiled, name)), f"compiled {name} differs"
+        assert torch.equal(eager.metrics.dropped_routes, compiled.metrics.dropped_routes)

@@ -25,5 +25,6 @@ def test_megatron_moe_layer_matches_oracle(world, ep, dispatcher):
 
 
 def test_oracle_comparison_detects_a_perturbed_expert_weight():
-    with pytest.raises(RankFailure, match="rank 1 .*(fc1 grads|output|input grad)"):
+    # Rank 1's experts serve both ranks' tokens, so either rank may report first.
+    with pytest.raises(RankFailure, match=r"rank [01] (output|input grad|fc1 grads): max abs error"):
         run_on_ranks(_megatron_layer_rank, 2, "alltoall", perturb_rank=1, sizes=ParallelSizes(ep=2))

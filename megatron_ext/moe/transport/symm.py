@@ -4,8 +4,8 @@ Cost removed (vs the reference transport and Megatron's alltoall): no per-peer s
 no zero fill, no split sizes on the host, no receiver permutation; each kept row moves once,
 from the source token to its final row in the owner's buffer, and the grouped GEMM reads that
 buffer in place. Costs accepted: a device-side barrier over the EP group after every PUT phase
-and before every GET phase (none with one rank), and one [C, H] copy per GET phase into the
-shared symmetric scratch (torch._grouped_mm cannot write into a given buffer).
+and before every GET phase (none with one rank), and, with EP > 1, one [C, H] copy per GET phase into
+the shared symmetric scratch (torch._grouped_mm cannot write into a given buffer).
 
 Ordering (one stream per rank, DESIGN 3.5): a PUT phase writes peers' buffers, then barriers,
 so its readers see every row. A GET phase first copies its source into scratch, barriers, then
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.kernels.row_transfer import get_rows, put_rows
-from megatron_ext.moe.buffers import LeasePool, allocate_symmetric, shared_scratch
+from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, allocate_symmetric, shared_scratch
 from megatron_ext.moe.route_map import RouteMap
 
 
@@ -32,6 +32,7 @@ class SymmRowTransport:
         self.lease_slots = lease_slots
         self.poison = poison
         self.pool: LeasePool | None = None
+        self._local_tables: dict[str, torch.Tensor] = {}
 
     def _ensure_buffers(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         if self.pool is not None:
@@ -80,7 +81,17 @@ class SymmRowTransport:
         return get_rows(source.peer_table, route.dest_rank, route.dest_row, out)
 
     def _gather_source(self, role: str, rows: torch.Tensor):
-        """Copy this rank's rows into the role's symmetric scratch and fence the group."""
+        """Copy this rank's rows into the role's symmetric scratch and fence the group.
+
+        With one rank nobody else reads them: point a one-entry table at `rows` instead (a
+        fill_ kernel with the address as its scalar: no copy, no host transfer, capturable).
+        """
+        if self.group is None:
+            table = self._local_tables.get(role)
+            if table is None:
+                table = self._local_tables[role] = torch.empty(1, dtype=torch.int64, device=rows.device)
+            table.fill_(rows.data_ptr())
+            return SymmetricBuffer(rows, table)
         source = self._scratch(role)
         source.local.copy_(rows)
         source.barrier()
