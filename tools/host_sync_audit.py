@@ -1,0 +1,107 @@
+"""Host-sync audit for a MoE layer configuration: run it on your shapes before you train.
+
+For each requested layer kind it builds the layer on this GPU (EP=1), runs a warm-up step, and
+reports, strongest evidence first:
+  capture   does forward+backward capture in a CUDA graph and replay like eager?
+  profiler  blocking CUDA runtime calls in one eager step (cuda*Synchronize, blocking D2H)
+  python    every Python call site that reads a device value on the host, with its stack
+
+    python tools/host_sync_audit.py --layers rowwise_symm,megatron_alltoall \\
+        --tokens 4096 --experts 64 --topk 8 --hidden 2048 --ffn 1024 [--stacks 3]
+
+On a machine without CUDA it runs the Python audit only, on CPU tensors (gloo, one rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LAYERS = ("rowwise_symm", "rowwise_torch", "megatron_alltoall", "megatron_allgather")
+
+
+def build_layer(kind: str, args, dtype, device):
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.specs import moe_builder
+    from tests.megatron_moe import megatron_moe_layer, moe_config
+
+    config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk, dtype=dtype,
+                        use_cpu_initialization=device.type == "cpu",
+                        dispatcher="allgather" if kind == "megatron_allgather" else "alltoall")
+    if kind.startswith("megatron"):
+        return megatron_moe_layer(config).to(device)
+    transport = "symm" if kind == "rowwise_symm" else "torch"
+    return moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor))(config=config).to(device)
+
+
+def audit(kind: str, args) -> dict:
+    from megatron_ext.sync_audit import count_host_syncs
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    layer = build_layer(kind, args, dtype, device)
+    x = torch.randn(args.tokens, 1, args.hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        out, _ = layer(x)
+        out.backward(grad)
+        return out
+
+    step()  # warm-up: allocations, compilation
+    report = {"layer": kind}
+    with count_host_syncs(only_device="cuda" if on_gpu else None) as python_audit:
+        step()
+    report["python_sync_sites"] = python_audit.count
+    report["python_stacks"] = [stack for _, stack in python_audit.calls[:args.stacks]]
+    if on_gpu:
+        from megatron_ext.host_sync import capture_replay, profiled_sync_calls
+
+        report["profiler_blocking_calls"] = profiled_sync_calls(step)
+        try:
+            capture_replay(step)[0].replay()
+            torch.cuda.synchronize()
+            report["cuda_graph_capture"] = "ok"
+        except Exception as error:  # noqa: BLE001 - the failure is the finding
+            report["cuda_graph_capture"] = f"fails: {type(error).__name__}: {str(error)[:160]}"
+    return report
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="rowwise_symm,megatron_alltoall")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--stacks", type=int, default=2, help="Python stacks to print per layer")
+    args = parser.parse_args()
+    kinds = args.layers.split(",")
+    unknown = sorted(set(kinds) - set(LAYERS))
+    if unknown:
+        parser.error(f"unknown layer kind(s) {unknown}; choose from {LAYERS}")
+    if not torch.cuda.is_available():
+        kinds = [k for k in kinds if k != "rowwise_symm"] or ["rowwise_torch"]
+    from tools.bench_common import init_single_rank_megatron
+
+    init_single_rank_megatron()
+    for kind in kinds:
+        report = audit(kind, args)
+        print(f"== {kind}: python sync sites {report['python_sync_sites']}, "
+              f"profiler blocking calls {report.get('profiler_blocking_calls', 'n/a (no GPU)')}, "
+              f"CUDA graph capture {report.get('cuda_graph_capture', 'n/a (no GPU)')}")
+        for stack in report["python_stacks"]:
+            print("   " + stack.replace("\n", "\n   "))
+
+
+if __name__ == "__main__":
+    main()
