@@ -2,9 +2,10 @@
 
 Synthetic, learnable data: each sequence follows a fixed random successor table
 (next = successor[current]), so the loss must fall if forward, backward, routing and gradient
-reduction are right. Gradients are reduced by hand (Megatron's DDP buffers are CUDA-only):
-dense parameters summed over data parallel, expert parameters (allreduce=False) over expert
-data parallel, both divided by the DP size so the objective is the mean loss over all ranks.
+reduction are right. Gradients are reduced by megatron_ext.ddp's MultiGroupGradBuckets (it runs
+over gloo): dense parameters summed over DP x CP, expert parameters (allreduce=False) over
+expert data parallel, both divided by the DP x CP size so the objective is the mean loss over
+all ranks.
 """
 
 from __future__ import annotations
@@ -83,19 +84,12 @@ def synthetic_batch(cfg: TinyGPTConfig, step: int, rank: int):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def reduce_gradients(model) -> None:
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_group()
-    edp = parallel_state.get_expert_data_parallel_group()
-    dp_size = dist.get_world_size(dp)
-    for param in model.parameters():
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)  # an expert that got no tokens this step
-        group = edp if getattr(param, "allreduce", True) is False else dp
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(param.grad, group=group)
-        param.grad.div_(dp_size)
+def reduce_gradients(buckets) -> None:
+    """Finish the bucketed reduction that backward hooks started (megatron_ext.ddp): dense
+    parameters summed over DP x CP, expert parameters (allreduce=False) over EP_DP, both divided
+    by the DP x CP size so the objective is the mean loss over all ranks. Parameters that got no
+    gradient (an expert without tokens) contribute zeros."""
+    buckets.finish_grad_sync()
 
 
 def moe_layers(model):
@@ -109,7 +103,10 @@ def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | 
     """Train `steps` steps on this rank; returns per-step records (loss, tokens/s, routing)."""
     from megatron_ext.sync_audit import count_host_syncs
 
+    from megatron_ext.ddp.buckets import MultiGroupGradBuckets, groups_from_parallel_state
+
     model = build_model(cfg, ext_config, spec_kind)
+    buckets = MultiGroupGradBuckets(model, groups_from_parallel_state())
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     position_ids = torch.arange(cfg.seq_len)[None].expand(cfg.micro_batch, -1)
     causal_mask = torch.triu(torch.ones(1, 1, cfg.seq_len, cfg.seq_len, dtype=torch.bool), diagonal=1)
@@ -122,7 +119,7 @@ def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | 
             _audit_only_moe(model, audit)
             loss = model(tokens, position_ids, causal_mask, labels=labels).float().mean()
             loss.backward()
-        reduce_gradients(model)
+        reduce_gradients(buckets)
         optimizer.step()
         elapsed = time.perf_counter() - start
         loss_value = loss.detach().clone()

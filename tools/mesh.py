@@ -21,7 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.parallel.folding import DEFAULT_ORDER, FoldingMesh  # noqa: E402
+from megatron_ext.parallel.folding import FoldingMesh  # noqa: E402
+from megatron_ext.parallel.rank_groups import DEFAULT_ORDER  # noqa: E402
 from megatron_ext.parallel.memory import (  # noqa: E402
     DTYPE_BYTES, OPTIMIZERS, ModelShape, Precision, estimate, fits, render_memory)
 

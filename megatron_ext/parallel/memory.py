@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ext.parallel.folding import FoldingMesh, text_table
+from megatron_ext.parallel.folding import FoldingMesh
+from megatron_ext.parallel.render import text_table
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZERS = ("adam", "sgd")

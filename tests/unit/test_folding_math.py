@@ -9,7 +9,8 @@ import sys
 import pytest
 from megatron.core.parallel_state import RankGenerator, _inject_gtp_remat_axis
 
-from megatron_ext.parallel.folding import ATTENTION_KINDS, EXPERT_KINDS, FoldingMesh, rank_groups
+from megatron_ext.parallel.folding import FoldingMesh
+from megatron_ext.parallel.rank_groups import ATTENTION_KINDS, EXPERT_KINDS, rank_groups
 from megatron_ext.parallel.memory import GIB, ModelShape, Precision, estimate, render_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

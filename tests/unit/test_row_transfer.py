@@ -77,9 +77,9 @@ def test_triton_kernels_match_reference_under_interpreter():
 
 def test_launch_config_defaults():
     assert _launch_config(2048, torch.bfloat16) == (2048, 4)
-    assert _launch_config(8192, torch.bfloat16) == (4096, 8)
-    assert _launch_config(1024, torch.bfloat16) == (1024, 2)
-    assert _launch_config(4096, torch.float32) == (2048, 8)
+    assert _launch_config(8192, torch.bfloat16) == (4096, 4)
+    assert _launch_config(1024, torch.bfloat16) == (1024, 4)
+    assert _launch_config(4096, torch.float32) == (2048, 4)
     assert _launch_config(40, torch.float32) == (64, 1)
 
 

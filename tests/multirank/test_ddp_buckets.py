@@ -1,0 +1,269 @@
+"""Multi-group DDP buckets on 4 gloo ranks: gradients equal a single-process reference on the
+global batch, experts reduce over EP_DP only, replicas stay equal and the checker names a
+perturbed parameter; the Megatron DDP hook gives the same gradients in one fixed launch order.
+
+Model: a dense Linear (H -> H) feeding megatron_ext's RowwiseMoELayer (torch transport,
+dropless). Per-rank objective: L_r = (1/T) sum_t <out_t, g_t> with rank-specific tokens x and
+output weights g; the global objective is the mean of L_r over the DP x CP ranks, which the
+reference computes in one process over all ranks' tokens with the dense oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.ddp.buckets import DENSE, EXPERT, MultiGroupGradBuckets, groups_from_folding
+from megatron_ext.ddp.replica_check import ReplicaMismatch, check_replicas, maybe_check_replicas
+from megatron_ext.parallel.folding import FoldingMesh
+from megatron_ext.specs import moe_builder
+from tests.megatron_moe import load_weights, local_expert_range, moe_config, rank_tokens
+from tests.reference import MoEWeights, assert_close, dense_moe
+
+HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 16, 8, 4, 2, 6
+RTOL = 1e-6
+
+
+class DenseThenMoE(torch.nn.Module):
+    def __init__(self, ep: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        config = moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, ep=ep)
+        self.moe = moe_builder(MoEExtConfig(transport="torch", dropless=True))(config=config)
+
+    def forward(self, x):
+        out, _ = self.moe(self.proj(x).view(x.shape[0], 1, HIDDEN))
+        return out.view(x.shape[0], HIDDEN)
+
+
+def proj_weight(seed: int = 3) -> torch.Tensor:
+    return torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(seed)) * HIDDEN ** -0.5
+
+
+def build(ep: int):
+    weights = MoEWeights.random(EXPERTS, HIDDEN, FFN, seed=11)
+    model = DenseThenMoE(ep)
+    with torch.no_grad():
+        model.proj.weight.copy_(proj_weight())
+    load_weights(model.moe, weights)
+    return model, weights
+
+
+def local_loss(model, rank: int, step: int = 0):
+    x, g = rank_tokens(rank + 1000 * step, TOKENS, HIDDEN)
+    return (model(x) * g).sum() / TOKENS
+
+
+def reference_grads(weights: MoEWeights, dp_ranks: int, step: int = 0) -> dict[str, torch.Tensor]:
+    """Gradients of mean_r L_r over every data-parallel rank's tokens, in one process."""
+    w_proj = proj_weight().requires_grad_(True)
+    ref = weights.detached_leaves()
+    loss = 0.0
+    for r in range(dp_ranks):
+        x, g = rank_tokens(r + 1000 * step, TOKENS, HIDDEN)
+        loss = loss + (dense_moe(x @ w_proj.t(), ref, TOPK) * g).sum() / TOKENS
+    (loss / dp_ranks).backward()
+    return {"proj.weight": w_proj.grad, "moe.router.weight": ref.router.grad,
+            "moe.experts.fc1_weight": ref.fc1.grad, "moe.experts.fc2_weight": ref.fc2.grad}
+
+
+def compare_with_reference(model, ref: dict, rank: int, prefix: str = "", grad_of=lambda p: p.grad):
+    experts = local_expert_range(model.moe)
+    named = dict(model.named_parameters())
+    assert sorted(named) == sorted(ref), f"model parameters {sorted(named)} != reference {sorted(ref)}"
+    for name, want in ref.items():
+        if name.startswith("moe.experts."):
+            want = want[experts.start:experts.stop]
+        assert_close(grad_of(named[name]), want, RTOL, f"{prefix}rank {rank} {name} gradient")
+
+
+def mesh_groups(world: int, **mesh_kwargs):
+    return groups_from_folding(FoldingMesh(world, **mesh_kwargs).create_groups())
+
+
+# ---------------------------------------------------------------- DP4 with EP2 (EP_DP = 2)
+
+
+def _one_step_rank(rank, world):
+    groups = mesh_groups(world, ep=2)
+    assert dist.get_process_group_ranks(groups[EXPERT]) == [rank % 2, rank % 2 + 2]
+    model, weights = build(ep=2)
+    buckets = MultiGroupGradBuckets(model, groups, bucket_bytes=600)
+    assert [b.group for b in buckets.plan] == [EXPERT, EXPERT, DENSE, DENSE], buckets.describe()
+    local_loss(model, rank).backward()
+    assert buckets.launched_in_backward == len(buckets.plan), "buckets should launch during backward"
+    launched = list(buckets.launch_order)
+    buckets.finish_grad_sync()
+    compare_with_reference(model, reference_grads(weights, world), rank)
+    return launched
+
+
+def test_dp4_ep2_gradients_equal_global_batch_reference():
+    orders = run_on_ranks(_one_step_rank, 4, sizes=ParallelSizes(ep=2))
+    assert orders == [[0, 1, 2, 3]] * 4, orders
+
+
+def _wrong_expert_group_rank(rank, world):
+    """Experts reduced over the full DP (4 ranks, two different shards): must not match."""
+    groups = mesh_groups(world, ep=2)
+    model, weights = build(ep=2)
+    buckets = MultiGroupGradBuckets(model, {DENSE: groups[DENSE], EXPERT: groups[DENSE]})
+    local_loss(model, rank).backward()
+    buckets.finish_grad_sync()
+    ref = reference_grads(weights, world)
+    experts = local_expert_range(model.moe)
+    error = (model.moe.experts.fc1_weight.grad - ref["moe.experts.fc1_weight"][experts.start:experts.stop]).abs().max()
+    assert error > 1e-3 * ref["moe.experts.fc1_weight"].abs().max(), "reducing experts over DP matched the reference"
+    assert_close(model.proj.weight.grad, ref["proj.weight"], RTOL, "dense grads are unaffected")
+    return float(error)
+
+
+def test_expert_grads_reduced_over_ep_dp_only():
+    """Passes only because the expert group is EP_DP: the DP-wide variant is wrong by > 0.1%."""
+    errors = run_on_ranks(_wrong_expert_group_rank, 4, sizes=ParallelSizes(ep=2))
+    assert all(e > 0 for e in errors)
+
+
+def _train_and_check_rank(rank, world):
+    groups = mesh_groups(world, ep=2)
+    model, _ = build(ep=2)
+    buckets = MultiGroupGradBuckets(model, groups, bucket_bytes=600)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(4):
+        buckets.zero_grad_buffers()
+        local_loss(model, rank, step).backward()
+        buckets.finish_grad_sync()
+        optimizer.step()
+        assert maybe_check_replicas(step, 2, model, groups) in (None, [])
+    assert check_replicas(model, groups) == []
+    with torch.no_grad():
+        if rank == 1:
+            model.moe.experts.fc2_weight[0, 3, 2] += 1e-6
+        if rank == 2:
+            model.moe.router.weight[1, 0] += 1e-6
+    messages = check_replicas(model, groups)
+    try:
+        maybe_check_replicas(4, 2, model, groups)
+        raised = None
+    except ReplicaMismatch as error:
+        raised = str(error)
+    return messages, raised
+
+
+def test_replicas_agree_after_training_and_checker_names_perturbed_parameter():
+    results = run_on_ranks(_train_and_check_rank, 4, sizes=ParallelSizes(ep=2))
+    for rank, (messages, raised) in enumerate(results):
+        # The router (dense, all 4 ranks) comes before the experts in registration order.
+        assert messages and "'moe.router.weight'" in messages[0] and "'dense'" in messages[0], messages
+        assert "rank 0 vs rank 2" in messages[0]
+        expert_seen = any("'moe.experts.fc2_weight'" in m for m in messages)
+        assert expert_seen == (rank in (1, 3)), (rank, messages)  # only EP_DP group [1, 3] has it
+        if expert_seen:
+            assert "'expert'" in messages[1] and "ranks [1, 3]" in messages[1], messages
+        assert raised is not None and raised.startswith(messages[0])
+
+
+# ---------------------------------------------------------------- CP2 x DP2 with EP2
+
+
+def _cp_rank(rank, world, dense_over):
+    """CP2 DP2 EP2: the dense replica group is DP x CP (4 ranks), not DP (2 ranks). The model is
+    token-wise, so a CP rank holding one sequence chunk is a rank holding other tokens."""
+    from megatron.core import parallel_state as ps
+
+    folding = FoldingMesh(world, cp=2, ep=2, etp=1).create_groups()
+    groups = groups_from_folding(folding)
+    if dense_over == "dp":
+        groups = {DENSE: folding.dp_group, EXPERT: groups[EXPERT]}
+    assert ps.get_context_parallel_world_size() == 2 and dist.get_world_size(groups[EXPERT]) == 2
+    model, weights = build(ep=2)
+    # Pin the divisor to DP x CP = 4 so that the "dp" variant differs only in its reduction group.
+    buckets = MultiGroupGradBuckets(model, groups, average_over={DENSE: 4, EXPERT: 4})
+    local_loss(model, rank).backward()
+    buckets.finish_grad_sync()
+    compare_with_reference(model, reference_grads(weights, world), rank)
+
+
+def test_cp2_dp2_ep2_dense_grads_reduce_over_dp_times_cp():
+    run_on_ranks(_cp_rank, 4, "dp_cp", sizes=ParallelSizes(cp=2, ep=2, etp=1))
+    try:
+        run_on_ranks(_cp_rank, 4, "dp", sizes=ParallelSizes(cp=2, ep=2, etp=1))
+    except AssertionError as error:
+        assert "proj.weight gradient" in str(error) or "router.weight gradient" in str(error), error
+    else:
+        raise AssertionError("reducing dense grads over DP without CP matched the reference")
+
+
+# ---------------------------------------------------------------- Megatron DDP hook (CPU, gloo)
+
+
+def _megatron_ddp_rank(rank, world):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_ext.ddp.megatron_hook import FoldingDistributedDataParallel
+
+    folding = FoldingMesh(world, ep=2).create_groups()
+    model, weights = build(ep=2)
+    ddp = FoldingDistributedDataParallel(
+        model.moe.config, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=150), model,
+        folding_groups=folding)
+    assert all("already reduces" in line for line in ddp.replica_report), ddp.replica_report
+    launcher = ddp.grad_launcher
+    logs = []
+    for step in range(2):  # step 0: Megatron's first-batch path; step 1: launches from hooks
+        ddp.zero_grad_buffer()
+        x, g = rank_tokens(rank, TOKENS, HIDDEN)
+        ((ddp(x) * g).sum() / TOKENS).backward()
+        in_backward = len(launcher.log)
+        ddp.finish_grad_sync()
+        logs.append((in_backward, launcher.last_log))
+        compare_with_reference(model, reference_grads(weights, world), rank, f"Megatron DDP step {step} ",
+                               grad_of=lambda p: p.main_grad)
+    return logs, len(launcher.order)
+
+
+def test_megatron_ddp_with_folding_hook_matches_reference_in_fixed_order():
+    results = run_on_ranks(_megatron_ddp_rank, 4, sizes=ParallelSizes(ep=2))
+    logs, groups = results[0]
+    assert groups >= 3, "expected several bucket groups (dense and expert)"
+    assert all(r == results[0] for r in results), results
+    (first_in_backward, first_log), (in_backward, log) = logs
+    assert first_in_backward == 0 and first_log == list(range(groups))
+    assert in_backward == groups and log == list(range(groups))
+
+
+def _megatron_group_swap_rank(rank, world):
+    """The hook really sets Megatron's reduction group: swapping EP_DP for EP_MP (same size,
+    other ranks) breaks the expert gradients; swapping back restores them; a group of another
+    size is refused."""
+    import pytest
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_ext.ddp.megatron_hook import FoldingDistributedDataParallel, install_replica_groups
+
+    folding = FoldingMesh(world, ep=2).create_groups()
+    model, weights = build(ep=2)
+    ddp = FoldingDistributedDataParallel(model.moe.config, DistributedDataParallelConfig(), model,
+                                         folding_groups=folding)
+    ref = reference_grads(weights, world)
+    fc1 = model.moe.experts.fc1_weight
+    experts = local_expert_range(model.moe)
+    errors = []
+    for expert_group in (folding.ep_mp_group, folding.ep_dp_group):
+        report = install_replica_groups(ddp, folding.dp_cp_group, expert_group)
+        assert any(line.startswith("expert") and "replaced" in line for line in report), report
+        ddp.zero_grad_buffer()
+        x, g = rank_tokens(rank, TOKENS, HIDDEN)
+        ((ddp(x) * g).sum() / TOKENS).backward()
+        ddp.finish_grad_sync()
+        errors.append(float((fc1.main_grad - ref["moe.experts.fc1_weight"][experts.start:experts.stop]).abs().max()))
+    with pytest.raises(ValueError, match="expert bucket group 0 reduces over 2 ranks"):
+        install_replica_groups(ddp, folding.dp_cp_group, folding.dp_cp_group)
+    return errors
+
+
+def test_megatron_hook_controls_the_expert_reduction_group():
+    for wrong, right in run_on_ranks(_megatron_group_swap_rank, 4, sizes=ParallelSizes(ep=2)):
+        assert wrong > 1e-3 and right < 1e-6, (wrong, right)

@@ -1,0 +1,191 @@
+"""Bucket plan (pure), averaging rule, single-process bucket mechanics, and the Megatron DDP guard."""
+
+import pytest
+import torch
+
+from megatron_ext.ddp.buckets import MultiGroupGradBuckets
+from megatron_ext.ddp.plan import DENSE, EXPERT, ParamInfo, param_infos, plan_buckets, resolve_divisors
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def info(name, numel, group=DENSE, dtype=F32):
+    return ParamInfo(name, (numel,), dtype, group)
+
+
+def layout(plan):
+    return [(b.group, b.dtype, b.names) for b in plan]
+
+
+def test_reverse_order_and_new_bucket_on_group_change():
+    params = [info("emb", 4), info("attn", 4), info("router", 2), info("fc1", 8, EXPERT), info("fc2", 8, EXPERT),
+              info("attn2", 4), info("fc1_2", 8, EXPERT)]
+    plan = plan_buckets(params, bucket_bytes=None)
+    assert layout(plan) == [
+        (EXPERT, F32, ("fc1_2",)),
+        (DENSE, F32, ("attn2",)),
+        (EXPERT, F32, ("fc2", "fc1")),
+        (DENSE, F32, ("router", "attn", "emb")),
+    ]
+    assert [b.index for b in plan] == [0, 1, 2, 3]
+    last = plan[-1]
+    assert [(s.offset, s.numel) for s in last.slots] == [(0, 2), (2, 4), (6, 4)] and last.numel == 10
+
+
+def test_new_bucket_on_dtype_change():
+    plan = plan_buckets([info("a", 4), info("b", 4, dtype=BF16), info("c", 4, dtype=BF16)], bucket_bytes=None)
+    assert layout(plan) == [(DENSE, BF16, ("c", "b")), (DENSE, F32, ("a",))]
+    assert plan[0].nbytes == 16 and plan[1].nbytes == 16
+
+
+def test_byte_cap():
+    # fp32: 4 bytes per element; cap 40 bytes = 10 elements.
+    params = [info("a", 3), info("b", 3), info("c", 4), info("d", 5), info("big", 30), info("e", 1)]
+    plan = plan_buckets(params, bucket_bytes=40)
+    assert [b.names for b in plan] == [("e",), ("big",), ("d", "c"), ("b", "a")]
+    assert all(b.nbytes <= 40 for b in plan if len(b.slots) > 1)
+    # Exactly at the cap stays in one bucket.
+    assert [b.names for b in plan_buckets([info("x", 5), info("y", 5)], bucket_bytes=40)] == [("y", "x")]
+
+
+def test_plan_is_deterministic_and_covers_every_parameter_once():
+    params = [info(f"p{i}", 1 + (7 * i) % 11, EXPERT if i % 3 == 0 else DENSE) for i in range(40)]
+    first, second = plan_buckets(params, bucket_bytes=64), plan_buckets(list(params), bucket_bytes=64)
+    assert first == second
+    names = [n for b in first for n in b.names]
+    assert sorted(names) == sorted(p.name for p in params) and len(names) == len(params)
+    assert names == [p.name for p in reversed(params)]
+
+
+def test_plan_rejects_bad_input():
+    with pytest.raises(ValueError, match="unique"):
+        plan_buckets([info("a", 1), info("a", 2)])
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([info("a", 1)], bucket_bytes=0)
+
+
+def test_averaging_rule():
+    sizes = {DENSE: 8, EXPERT: 2}
+    assert resolve_divisors(sizes, None) == {DENSE: 8, EXPERT: 8}
+    assert resolve_divisors(sizes, {EXPERT: EXPERT}) == {DENSE: 8, EXPERT: 2}
+    assert resolve_divisors(sizes, {DENSE: 1, EXPERT: 1}) == {DENSE: 1, EXPERT: 1}
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_divisors(sizes, {"shared": 2})
+    with pytest.raises(ValueError, match="positive int"):
+        resolve_divisors(sizes, {EXPERT: 0})
+    with pytest.raises(ValueError, match="averages over 'dense'"):
+        resolve_divisors({EXPERT: 2}, None)
+
+
+class Toy(torch.nn.Module):
+    """Dense Linear -> 'expert' Linear (allreduce=False) -> dense Linear, plus an unused param."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(6, 6)
+        self.expert = torch.nn.Linear(6, 6, bias=False)
+        self.expert.weight.allreduce = False
+        self.out = torch.nn.Linear(6, 3)
+        self.unused = torch.nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        return self.out(torch.relu(self.expert(self.inp(x))))
+
+
+def test_param_infos_use_megatron_expert_mark():
+    groups = {i.name: i.group for i in param_infos(Toy())}
+    assert groups["expert.weight"] == EXPERT and groups["inp.weight"] == DENSE and groups["unused"] == DENSE
+
+
+def _reference_grads(model, xs):
+    model.zero_grad(set_to_none=True)
+    for x in xs:
+        model(x).square().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_single_rank_buckets_equal_autograd_and_launch_in_plan_order():
+    model = Toy()
+    x = torch.randn(4, 6)
+    expected = _reference_grads(model, [x])
+    buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
+    assert len(buckets.plan) >= 4
+    for _ in range(2):  # the second step reuses the bound views
+        buckets.zero_grad_buffers()
+        model(x).square().mean().backward()
+        assert buckets.launched_in_backward > 0, "no bucket launched from a backward hook"
+        buckets.finish_grad_sync()
+        for name, param in model.named_parameters():
+            want = expected.get(name, torch.zeros_like(param))
+            torch.testing.assert_close(param.grad, want, rtol=0, atol=0, msg=name)
+    assert buckets.launch_order == [] and "bucket 0" in buckets.describe()
+
+
+def test_set_to_none_unused_param_and_no_sync_accumulation():
+    model = Toy()
+    xs = [torch.randn(4, 6), torch.randn(4, 6)]
+    expected = _reference_grads(model, xs)
+    buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
+    for flat in buckets.flat:
+        flat.fill_(7.0)  # stale values: copied-over or zero-filled slots must not keep them
+    model.zero_grad(set_to_none=True)  # the optimizer's way: the hook copies into the slots
+    with buckets.no_sync():
+        model(xs[0]).square().mean().backward()
+    model(xs[1]).square().mean().backward()
+    buckets.finish_grad_sync()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected.get(name, torch.zeros_like(param)), msg=name)
+    unused = model.unused
+    assert unused.grad.data_ptr() == buckets._views[unused].data_ptr()
+
+
+def test_second_backward_after_launch_is_a_clear_error():
+    model = Toy()
+    buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="after bucket .* was launched"):
+        model(x).sum().backward()
+
+
+def test_unknown_group_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"assign\(\) returned groups \['expert'\]"):
+        MultiGroupGradBuckets(Toy(), {DENSE: None})
+
+
+def test_megatron_ddp_internals_are_as_relied_on():
+    from megatron_ext.ddp.megatron_hook import check_megatron_ddp_internals
+
+    check_megatron_ddp_internals()
+
+
+def test_megatron_ddp_guard_names_a_changed_internal(monkeypatch):
+    from megatron.core.distributed import param_and_grad_buffer
+
+    from megatron_ext.ddp.megatron_hook import MegatronInternalsChanged, check_megatron_ddp_internals
+
+    class Renamed:
+        def __init__(self, buckets, ddp_config, group, group_size):
+            pass
+
+    monkeypatch.setattr(param_and_grad_buffer, "_ParamAndGradBucketGroup", Renamed)
+    with pytest.raises(MegatronInternalsChanged) as error:
+        check_megatron_ddp_internals()
+    message = str(error.value)
+    assert "_ParamAndGradBucketGroup.__init__ lost parameters ['collective_group', 'collective_group_size']" in message
+    assert "0.19.2" in message and "start_grad_sync no longer exists" in message
+
+
+def test_megatron_launcher_launches_in_fixed_order_whatever_the_request_order():
+    from megatron_ext.ddp.megatron_hook import _OrderedLauncher
+
+    launched = []
+    order = [object(), object(), object()]
+    originals = {id(g): (lambda g=g, **kw: launched.append(order.index(g))) for g in order}
+    launcher = _OrderedLauncher(order, originals)
+    launcher.request(order[2])
+    launcher.request(order[1])
+    assert launched == []
+    launcher.request(order[0])
+    assert launched == [0, 1, 2] and launcher.log == [0, 1, 2]
