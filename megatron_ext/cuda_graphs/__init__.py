@@ -1,0 +1,6 @@
+"""CUDA graphs for the synchronization-free MoE layer (DESIGN 6)."""
+
+from megatron_ext.cuda_graphs.runner import GraphedMoELayer, capture_blockers
+from megatron_ext.cuda_graphs.schedule import live_microbatches
+
+__all__ = ["GraphedMoELayer", "capture_blockers", "live_microbatches"]

@@ -68,8 +68,19 @@ class RowwiseMoELayer(MoELayer):
             self.num_local_experts, self.local_expert_indices, config, ext_config,
             pg_collection=pg_collection)
         self._metrics = None
+        self._graph_runner = None
+        if ext_config.cuda_graphs:
+            from megatron_ext.cuda_graphs.runner import GraphedMoELayer
+
+            self._graph_runner = GraphedMoELayer(self, num_slots=ext_config.lease_slots)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if self._graph_runner is not None and intermediate_tensors is None and padding_mask is None \
+                and self.training and torch.is_grad_enabled():
+            return self._graph_runner(hidden_states)
+        return self.eager_forward(hidden_states, intermediate_tensors, padding_mask)
+
+    def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if self.training:
             self._accumulate_metrics(self.token_dispatcher.route_map.metrics)
@@ -77,24 +88,27 @@ class RowwiseMoELayer(MoELayer):
 
     @torch.no_grad()
     def _accumulate_metrics(self, metrics) -> None:
-        """Running device-side sums: no host read until `read_metrics`."""
+        """Running device-side sums, updated in place (so CUDA graphs keep updating the same
+        tensors): no host read until `read_metrics`."""
         current = (metrics.requested_per_expert.long(), metrics.kept_per_expert.long(),
                    metrics.dropped_routes.long(), metrics.buffer_fill.float(),
                    torch.ones((), dtype=torch.long, device=metrics.dropped_routes.device))
         if self._metrics is None:
-            self._metrics = [t.clone() for t in current]
-        else:
-            for total, value in zip(self._metrics, current):
-                total.add_(value)
+            self._metrics = [torch.zeros_like(t) for t in current]
+        for total, value in zip(self._metrics, current):
+            total.add_(value)
 
     def read_metrics(self, reset: bool = True) -> dict | None:
         """Host copy of the routing metrics since the last read (synchronizes: logging steps only)."""
         if self._metrics is None:
             return None
-        requested, kept, dropped, fill, steps = (t.cpu() for t in self._metrics)
+        requested, kept, dropped, fill, steps = (t.to("cpu", copy=True) for t in self._metrics)
         if reset:
-            self._metrics = None
+            for total in self._metrics:
+                total.zero_()
         n = int(steps)
+        if n == 0:
+            return None
         return {"steps": n, "requested_per_expert": requested.tolist(), "kept_per_expert": kept.tolist(),
                 "dropped_routes": int(dropped), "mean_buffer_fill": float(fill) / n,
                 "capacity": self.token_dispatcher.capacity}

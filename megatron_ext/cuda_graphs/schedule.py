@@ -1,0 +1,34 @@
+"""How many microbatches of one layer are alive at once under Megatron's pipeline schedules.
+
+A microbatch is alive in a layer from its forward until its backward. That count is the
+number of graph slots and dispatch-buffer leases a layer needs (DESIGN 6): one slot per layer
+is overwritten as soon as a second microbatch runs forward before the first one's backward.
+"""
+
+from __future__ import annotations
+
+
+def live_microbatches(pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: int | None = None) -> int:
+    """Peak number of microbatches in flight on one layer of pipeline stage `pp_rank`.
+
+    No pipeline: 1 (forward then backward of each microbatch). 1F1B: the stage runs
+    pp_size - pp_rank - 1 warm-up forwards, then one more forward before its first backward.
+    Interleaved (vpp_size model chunks per stage): Megatron's warm-up runs
+    (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size forwards across all chunks before
+    the first backward; every layer is sized for all of them plus one (an upper bound: the
+    layers of one chunk see only their share). Never more than the step's microbatches.
+    """
+    if pp_size < 1 or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pipeline rank {pp_rank} is outside a pipeline of size {pp_size}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if pp_size == 1:
+        return 1
+    if vpp_size is None or vpp_size == 1:
+        warmup = pp_size - pp_rank - 1
+    else:
+        if num_microbatches % pp_size:
+            raise ValueError(f"the interleaved schedule needs num_microbatches ({num_microbatches}) divisible by "
+                             f"the pipeline size ({pp_size})")
+        warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * pp_size
+    return min(warmup + 1, num_microbatches)

@@ -1,0 +1,60 @@
+"""Slot counting from pipeline schedules and the runner's eager fallback (CPU)."""
+
+import logging
+
+import pytest
+import torch
+
+from megatron_ext.cuda_graphs import GraphedMoELayer, capture_blockers, live_microbatches
+from megatron_ext.config import MoEExtConfig
+
+
+@pytest.mark.parametrize("pp,rank,mbs,vpp,expected", [
+    (1, 0, 8, None, 1),      # no pipeline
+    (4, 0, 8, None, 4),      # 1F1B first stage: 3 warm-up forwards + 1
+    (4, 3, 8, None, 1),      # last stage: forward then backward
+    (4, 1, 2, None, 2),      # bounded by the microbatches of the step
+    (4, 0, 8, 2, 8),         # interleaved: (4-0-1)*2 + (2-1)*4 = 10 warm-up, bounded by 8
+    (2, 1, 8, 2, 3),         # interleaved last stage: 0 + 2 warm-up + 1
+])
+def test_live_microbatches(pp, rank, mbs, vpp, expected):
+    assert live_microbatches(pp, rank, mbs, vpp) == expected
+
+
+def test_live_microbatches_rejects_bad_input():
+    with pytest.raises(ValueError, match="outside a pipeline"):
+        live_microbatches(2, 2, 4)
+    with pytest.raises(ValueError, match="divisible by the pipeline size"):
+        live_microbatches(4, 0, 6, vpp_size=2)
+
+
+class _EagerLayer(torch.nn.Module):
+    def __init__(self, ext_config=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.ext_config = ext_config
+
+    def forward(self, x):
+        return x @ self.weight, None
+
+
+def test_capture_blockers_name_the_reason():
+    x = torch.randn(2, 4)
+    assert any("GPU" in r for r in capture_blockers(_EagerLayer(MoEExtConfig()), x))
+    assert any("rowwise" in r for r in capture_blockers(_EagerLayer(None), x))
+    assert any("debug_checks" in r for r in capture_blockers(_EagerLayer(MoEExtConfig(debug_checks=True)), x))
+
+
+def test_runner_falls_back_to_eager_with_a_logged_reason(caplog):
+    layer = _EagerLayer(MoEExtConfig())
+    runner = GraphedMoELayer(layer, num_slots=1)
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING):
+        out, _ = runner(x)
+    assert torch.equal(out, x @ layer.weight)
+    assert "runs eagerly" in caplog.text and "GPU" in runner.eager_reason
+
+
+def test_slots_need_as_many_leases():
+    with pytest.raises(ValueError, match="lease-slots >= 2"):
+        GraphedMoELayer(_EagerLayer(MoEExtConfig(lease_slots=1)), num_slots=2)
