@@ -1,0 +1,66 @@
+"""tools/bench_common.py: the pure parts (FLOP formula, result JSON, median, CPU timing fallback,
+profile bookkeeping)."""
+
+import json
+
+import torch
+
+from tools.bench_common import host_time_ms, median, moe_model_flops, profile_kernels, write_result
+
+
+def test_moe_model_flops_reference_shape_by_hand():
+    # 8192 tokens x top-8 = 65536 rows; fc1 2048 -> 2048 (gate+up of 1024), fc2 1024 -> 2048.
+    rows = 65536
+    fc1 = 2 * rows * 2048 * 2048
+    fc2 = 2 * rows * 1024 * 2048
+    assert moe_model_flops(8192, 8, 2048, 1024, backward=False) == fc1 + fc2 == 824_633_720_832
+    assert moe_model_flops(8192, 8, 2048, 1024) == 3 * (fc1 + fc2) == 2_473_901_162_496
+
+
+def test_moe_model_flops_small_plain_mlp():
+    # 3 tokens x top-2, hidden 5, ffn 7, no gate: 2*6*(5*7 + 7*5) = 840 forward.
+    assert moe_model_flops(3, 2, 5, 7, gated=False, backward=False) == 840
+    assert moe_model_flops(3, 2, 5, 7, gated=False) == 2520
+    # Gated: 2*6*(5*14 + 7*5) = 1260 forward.
+    assert moe_model_flops(3, 2, 5, 7, backward=False) == 1260
+
+
+def test_median():
+    assert median([5.0, 1.0, 3.0]) == 3.0
+    assert median([4, 1, 3, 2]) == 2.5
+
+
+def test_write_result_json_into_given_dir(tmp_path):
+    payload = {"shape": "tiny", "ms": [1.5, 2.5]}
+    first = write_result("demo", payload, results_dir=tmp_path / "results")
+    second = write_result("demo", payload, results_dir=tmp_path / "results")
+    assert first.parent == tmp_path / "results" and first != second, "results must not overwrite each other"
+    assert first.name.startswith("demo_") and first.suffix == ".json"
+    stamp = first.stem[len("demo_"):]
+    assert len(stamp) == 15 and stamp[8] == "-" and stamp.replace("-", "").isdigit()
+    data = json.loads(first.read_text())
+    assert data["name"] == "demo" and data["result"] == payload
+    for key in ("device", "torch", "triton", "megatron_core", "cuda", "date"):
+        assert key in data["env"], key
+    assert data["env"]["torch"]
+
+
+def test_host_time_counts_every_call():
+    calls = []
+    times = host_time_ms(lambda: calls.append(1), warmup=2, iters=5)
+    assert len(times) == 5 and len(calls) == 7
+    assert all(t >= 0.0 for t in times)
+
+
+def test_profile_counts_syncs_inside_each_iteration_only():
+    # CPU has no CUDA runtime events: a record_function named like the runtime call stands in.
+    def fn():
+        with torch.profiler.record_function("cudaStreamSynchronize"):
+            torch.ones(4).sum()
+
+    result = profile_kernels(fn, iters=3, top=4)
+    assert result["host_syncs_per_iter"] == 1.0
+    assert sum(result["host_sync_sites"].values()) == 3
+    names = [op["name"] for op in result["top_host_ops"]]
+    assert "aten::sum" in names and "bench_iteration" not in names
+    assert result["top_kernels"] == [] and result["kernel_ms_per_iter"] == 0.0
