@@ -6,6 +6,7 @@ Paths (same router weights, expert weights, tokens and output gradients):
   rowwise_torch            RowwiseMoELayer, reference all_to_all transport
   rowwise_symm             RowwiseMoELayer, symmetric-memory Triton transport
   rowwise_symm_graph       rowwise_symm captured in one CUDA graph (forward+backward), replayed
+  rowwise_symm_mxfp8       rowwise_symm with MXFP8 dispatch payloads (quantize, PUT, dequantize)
 Reported per path: median fwd+bwd ms (CUDA events, after warm-up), model TFLOP/s (useful
 tokens only), peak memory above baseline, blocking CUDA calls per step (profiler), host
 submission ms per layer step, and the measured dense bf16 GEMM rate for the same FLOPs.
@@ -27,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.bench_common import (cuda_time_ms, host_time_ms, init_single_rank_megatron, median,  # noqa: E402
                                 moe_model_flops, peak_memory, profile_kernels, write_result)
 
-PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph")
+PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph",
+         "rowwise_symm_mxfp8")
 
 
 def build(path: str, args, weights):
@@ -45,7 +47,8 @@ def build(path: str, args, weights):
     else:
         transport = "torch" if path == "rowwise_torch" else "symm"
         layer = moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor,
-                                         dropless=args.dropless))(config=config)
+                                         dropless=args.dropless,
+                                         mxfp8_dispatch=path.endswith("mxfp8")))(config=config)
     layer = layer.cuda()
     load_weights(layer, weights)
     return layer
@@ -120,6 +123,8 @@ def measure(path, args, weights, x, grad_out, flops):
             result["dropped_routes_per_step"] = metrics["dropped_routes"] / metrics["steps"]
             result["mean_buffer_fill"] = metrics["mean_buffer_fill"]
             result["capacity_rows"] = metrics["capacity"]
+            result["dispatch_buffer_bytes"] = metrics["dispatch_buffer_bytes"]
+            result["dispatched_bytes_per_step"] = metrics["dispatched_bytes_per_step"]
     del layer
     torch.cuda.empty_cache()
     return result

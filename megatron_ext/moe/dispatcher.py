@@ -16,6 +16,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.capacity import rank_capacity
+from megatron_ext.moe.mxfp8_dispatch import dispatch_row_bytes, dispatch_rows_mxfp8
 from megatron_ext.moe.route_map import RouteMap, route
 from megatron_ext.moe.row_autograd import combine_rows, dispatch_rows
 from megatron_ext.moe.transport import make_transport
@@ -45,6 +46,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.max_tokens = ext_config.max_tokens_per_rank
         self.transport = None  # built at the first forward, once T_max (hence C) is known
         self.route_map: RouteMap | None = None
+        self.row_bytes = 0  # bytes per dispatched row (BF16 or packed MXFP8), set at dispatch
+        self.routes_per_step = 0
         self.top_idx: torch.Tensor | None = None
         self.cudagraph_attrs = ["route_map", "top_idx"]
 
@@ -77,7 +80,10 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         group = self.ep_group if self.ep_size > 1 else None
         self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
                                compiled=self.ext_config.compile_route_map and hidden.is_cuda)
-        buffer, self.lease = dispatch_rows(hidden, self.transport, self.route_map)
+        dispatch = dispatch_rows_mxfp8 if self.ext_config.mxfp8_dispatch else dispatch_rows
+        buffer, self.lease = dispatch(hidden, self.transport, self.route_map)
+        self.row_bytes = dispatch_row_bytes(hidden.shape[1], hidden.dtype, self.ext_config.mxfp8_dispatch)
+        self.routes_per_step = self.top_idx.numel()
         return buffer, probs
 
     def dispatch_postprocess(self, hidden: torch.Tensor, probs: torch.Tensor):

@@ -53,6 +53,10 @@ class RowwiseMoELayer(MoELayer):
         ext_config = ext_config or MoEExtConfig()
         pg_collection = pg_collection or get_default_pg_collection()
         check_megatron_config(config)
+        if ext_config.mxfp8_dispatch:
+            from megatron_ext.moe.mxfp8 import check_hidden
+
+            check_hidden(config.hidden_size)
         ep_size = pg_collection.ep.size()
         if config.num_moe_experts % ep_size:
             raise ValueError(f"num_moe_experts={config.num_moe_experts} is not divisible by the expert-parallel "
@@ -109,6 +113,10 @@ class RowwiseMoELayer(MoELayer):
         n = int(steps)
         if n == 0:
             return None
+        dispatcher = self.token_dispatcher
+        kept_routes = dispatcher.routes_per_step * n - int(dropped)  # this rank's routes that moved
         return {"steps": n, "requested_per_expert": requested.tolist(), "kept_per_expert": kept.tolist(),
                 "dropped_routes": int(dropped), "mean_buffer_fill": float(fill) / n,
-                "capacity": self.token_dispatcher.capacity}
+                "capacity": dispatcher.capacity, "dispatch_row_bytes": dispatcher.row_bytes,
+                "dispatch_buffer_bytes": dispatcher.capacity * dispatcher.row_bytes,
+                "dispatched_bytes_per_step": kept_routes * dispatcher.row_bytes // n}

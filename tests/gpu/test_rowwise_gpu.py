@@ -144,3 +144,26 @@ def test_compiled_route_map_equals_eager():
         for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets", "row_source"):
             assert torch.equal(getattr(eager, name), getattr(compiled, name)), f"compiled {name} differs"
         assert torch.equal(eager.metrics.dropped_routes, compiled.metrics.dropped_routes)
+
+
+def test_mxfp8_dispatch_on_gpu(weights):
+    x, g = inputs(10)
+    bf16_layer = make_layer("symm", weights)
+    mx_layer = make_layer("symm", weights, mxfp8_dispatch=True)
+    bf16, mx = run_step(bf16_layer, x, g), run_step(mx_layer, x, g)
+    for name, a, b in zip(("output", "input grad", "router grad"), mx, bf16):
+        assert_close(a, b, 0.08, f"MXFP8 vs BF16 dispatch {name}")  # bound: tests/multirank/test_mxfp8_dispatch.py
+    pool_bytes = lambda layer: layer.token_dispatcher.transport.pool.slots[0].local.nbytes  # noqa: E731
+    assert pool_bytes(mx_layer) <= 0.53 * pool_bytes(bf16_layer)
+    static_x = x.clone().requires_grad_(True)
+
+    def step():
+        static_x.grad = None
+        out, _ = mx_layer(static_x)
+        out.backward(g)
+        return out
+
+    graph, out = capture_replay(step)  # the MXFP8 path is synchronization-free too
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.detach().float(), mx[0])

@@ -34,20 +34,22 @@ class SymmRowTransport:
         self.pool: LeasePool | None = None
         self._local_tables: dict[str, torch.Tensor] = {}
 
-    def _ensure_buffers(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    def _ensure_buffers(self, row_width: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Dispatch slots hold payload rows (BF16 tokens, or packed MXFP8 viewed as float32)."""
         if self.pool is not None:
-            if self.pool.slots[0].local.shape[1] != hidden or self.pool.slots[0].local.dtype != dtype:
-                raise ValueError(f"this layer's symmetric buffers were allocated for hidden "
-                                 f"{self.pool.slots[0].local.shape[1]} {self.pool.slots[0].local.dtype}, "
-                                 f"got {hidden} {dtype}: hidden size and dtype must stay fixed")
+            local = self.pool.slots[0].local
+            if local.shape[1] != row_width or local.dtype != dtype:
+                raise ValueError(f"this layer's dispatch buffers were allocated for rows of {local.shape[1]} "
+                                 f"{local.dtype}, got {row_width} {dtype}: row size and dtype must stay fixed")
             return
-        shape = (self.capacity, hidden)
-        self.shape, self.dtype, self.device = shape, dtype, device
+        shape = (self.capacity, row_width)
         slots = [allocate_symmetric(shape, dtype, device, self.group) for _ in range(self.lease_slots)]
         self.pool = LeasePool(slots, poison=self.poison)
 
-    def _scratch(self, role: str):
-        buffer = shared_scratch(role, self.shape, self.dtype, self.device, self.group)
+    def _scratch(self, role: str, rows_like: torch.Tensor):
+        """Shared [C, H] scratch for BF16 rows shaped like `rows_like` (combine and backward)."""
+        shape = (self.capacity, rows_like.shape[1])
+        buffer = shared_scratch(role, shape, rows_like.dtype, rows_like.device, self.group)
         if self.poison:
             buffer.local.fill_(float("nan"))
         return buffer
@@ -69,7 +71,7 @@ class SymmRowTransport:
         return out, gathered
 
     def combine_backward(self, grad_out: torch.Tensor, route: RouteMap, probs: torch.Tensor) -> torch.Tensor:
-        target = self._scratch("combine_grad")
+        target = self._scratch("combine_grad", grad_out)
         put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, probs.float().contiguous())
         target.barrier()
         return target.local
@@ -92,7 +94,7 @@ class SymmRowTransport:
                 table = self._local_tables[role] = torch.empty(1, dtype=torch.int64, device=rows.device)
             table.fill_(rows.data_ptr())
             return SymmetricBuffer(rows, table)
-        source = self._scratch(role)
+        source = self._scratch(role, rows)
         source.local.copy_(rows)
         source.barrier()
         return source
