@@ -23,6 +23,7 @@ which unrolls the K routes so their row addresses and loads are independent.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -129,8 +130,29 @@ def _require(cond: bool, message: str, error=ValueError) -> None:
         raise error(message)
 
 
+_VALIDATED: set = set()  # argument layouts already checked: the hot path re-checks nothing
+
+
+def _layout(t):
+    return None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous())
+
+
 def _check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
-    """Shape/dtype/layout checks shared by put_rows and get_rows; returns (T, K, H)."""
+    """Shape/dtype/layout checks shared by put_rows and get_rows; returns (T, K, H).
+
+    A layout that passed once is remembered, so a training step (same shapes every call)
+    pays a tuple lookup instead of ~20 checks per kernel launch.
+    """
+    key = (op, _layout(rows_like), _layout(dest_rank), _layout(dest_row), _layout(peer_table),
+           tuple(_layout(t) for _, t in per_route))
+    if key in _VALIDATED:
+        return rows_like.shape[0], dest_rank.shape[1], rows_like.shape[1]
+    shape = _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route)
+    _VALIDATED.add(key)
+    return shape
+
+
+def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
     _require(triton is not None, f"{op}: Triton is not installed; use megatron_ext.kernels.row_transfer_ref",
              RuntimeError)
     _require(rows_like.dim() == 2, f"{op}: rows must be [T, H], got shape {tuple(rows_like.shape)}")
@@ -168,8 +190,13 @@ def _check_runnable(op, rows_like):
              "megatron_ext.kernels.row_transfer_ref, or set TRITON_INTERPRET=1 before importing triton)")
 
 
+@functools.lru_cache(maxsize=None)
+def _cached_launch_config(H: int, dtype: torch.dtype) -> tuple[int, int]:
+    return _launch_config(H, dtype)
+
+
 def _config(H, dtype, block_h, num_warps):
-    default_block_h, default_warps = _launch_config(H, dtype)
+    default_block_h, default_warps = _cached_launch_config(H, dtype)
     block_h = default_block_h if block_h is None else block_h
     _require(block_h > 0 and block_h & (block_h - 1) == 0, f"block_h must be a power of two, got {block_h}")
     return block_h, default_warps if num_warps is None else num_warps
