@@ -5,12 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+works() { [ -n "$1" ] && "$1" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; }
+
 find_python312() {
-    if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
+    # A pyenv shim named python3.12 may sit on PATH without a selected 3.12: try it, then ask pyenv.
+    local candidate v
+    candidate=$(command -v python3.12 2>/dev/null) && works "$candidate" && { echo "$candidate"; return; }
     if command -v pyenv >/dev/null 2>&1; then
-        local v
         for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -rV); do
-            PYENV_VERSION="$v" pyenv which python3.12 2>/dev/null && return
+            candidate=$(PYENV_VERSION="$v" pyenv which python3.12 2>/dev/null) && works "$candidate" && {
+                echo "$candidate"; return; }
         done
     fi
     return 1
