@@ -45,10 +45,11 @@ def test_rowwise_poisoned_tails_change_nothing():
                  sizes=ParallelSizes(ep=2))
 
 
-def _vs_megatron_rank(rank, world):
+def _vs_megatron_rank(rank, world, router_overrides=None):
     """Dropless rowwise vs Megatron's own alltoall MoELayer (SequentialMLP) on the same weights."""
     case = Case(experts=8, tokens=10)
-    config = moe_config(hidden=case.hidden, ffn=case.ffn, experts=case.experts, topk=case.topk, ep=world)
+    config = moe_config(hidden=case.hidden, ffn=case.ffn, experts=case.experts, topk=case.topk, ep=world,
+                        **(router_overrides or {}))
     weights = MoEWeights.random(case.experts, case.hidden, case.ffn, seed=5)
     x, grad_out = rank_tokens(rank, case.tokens, case.hidden)
     results = []
@@ -62,8 +63,19 @@ def _vs_megatron_rank(rank, world):
         assert_close(b, a, 1e-5, f"rank {rank} rowwise vs Megatron alltoall {name}")
 
 
-def test_rowwise_dropless_equals_megatron_alltoall_layer():
-    run_on_ranks(_vs_megatron_rank, 2, sizes=ParallelSizes(ep=2))
+ROUTERS = {
+    "softmax": {},
+    "sigmoid_aux_loss": dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="aux_loss",
+                             moe_aux_loss_coeff=1e-2),
+    "pre_softmax_seq_aux_loss": dict(moe_router_pre_softmax=True, moe_router_load_balancing_type="seq_aux_loss",
+                                     moe_aux_loss_coeff=1e-2, moe_router_topk_scaling_factor=2.0),
+}
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_rowwise_dropless_equals_megatron_alltoall_layer(router):
+    """Megatron's router (score function, aux losses and their gradients) is used unchanged."""
+    run_on_ranks(_vs_megatron_rank, 2, ROUTERS[router], sizes=ParallelSizes(ep=2))
 
 
 def _keep_agreement_rank(rank, world):
@@ -90,3 +102,29 @@ def test_all_ranks_agree_bitwise_on_keep_decision():
     metrics = results[0][1]
     assert metrics["steps"] == 1 and metrics["dropped_routes"] == results[0][0]
     assert 0 < metrics["mean_buffer_fill"] <= 1.0
+
+
+def _shared_experts_rank(rank, world):
+    """Shared experts keep working: rowwise (dropless) equals Megatron's layer with the same shared MLP."""
+    case = Case(experts=4, tokens=10)
+    config = moe_config(hidden=case.hidden, ffn=case.ffn, experts=case.experts, topk=case.topk, ep=world,
+                        moe_shared_expert_intermediate_size=24)
+    weights = MoEWeights.random(case.experts, case.hidden, case.ffn, seed=6)
+    x, grad_out = rank_tokens(rank, case.tokens, case.hidden)
+    megatron_layer, rowwise_layer = megatron_moe_layer(config), build_rowwise(config, dropless=True)
+    rowwise_layer.shared_experts.load_state_dict(megatron_layer.shared_experts.state_dict())
+    results = []
+    for layer in (megatron_layer, rowwise_layer):
+        load_weights(layer, weights)
+        x_in = x.clone().view(case.tokens, 1, case.hidden).requires_grad_(True)
+        out, _ = layer(x_in)
+        out.backward(grad_out.view_as(out))
+        shared_grad = next(layer.shared_experts.parameters()).grad
+        results.append((out.detach(), x_in.grad, shared_grad))
+    for name, a, b in zip(("output", "input grad", "shared expert grad"), *results):
+        assert_close(b, a, 1e-5, f"rank {rank} rowwise vs Megatron with shared experts: {name}")
+    assert results[1][2].abs().sum() > 0, "the shared expert got no gradient"
+
+
+def test_shared_experts_keep_working():
+    run_on_ranks(_shared_experts_rank, 2, sizes=ParallelSizes(ep=2))
