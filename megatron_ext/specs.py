@@ -103,10 +103,25 @@ def gpt_layer_spec(num_experts: int, ext_config: MoEExtConfig | None = None, use
     return swap_moe_parts(base, ext_config)
 
 
-def gpt_block_spec(config, use_transformer_engine: bool = False, ext_config: MoEExtConfig | None = None,
+def gpt_block_spec(config, use_transformer_engine: bool | None = None, ext_config: MoEExtConfig | None = None,
                    vp_stage: int | None = None, pp_rank: int | None = None, **kwargs):
-    """Megatron's GPT decoder-block spec (honours moe_layer_freq) with megatron_ext's MoE parts."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    """Megatron's GPT decoder-block spec (honours moe_layer_freq) with megatron_ext's MoE parts.
 
+    Also the `--spec megatron_ext.specs gpt_block_spec` hook: megatron.training 0.19.2's
+    GPTModelBuilder calls it as `gpt_block_spec(gpt_model_config, vp_stage=...)` with a
+    GPTModelConfig (which wraps the TransformerConfig in `.transformer`). Defaults follow
+    Megatron's own MoE default (`default_layer_spec`): Transformer Engine layers when
+    `transformer_impl == "transformer_engine"`, the config's normalization and qk_l2_norm.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    transformer = getattr(config, "transformer", None)
+    if isinstance(transformer, TransformerConfig):  # megatron.training's GPTModelConfig
+        config = transformer
+    if use_transformer_engine is None:
+        use_transformer_engine = config.transformer_impl == "transformer_engine"
+    kwargs.setdefault("normalization", config.normalization)
+    kwargs.setdefault("qk_l2_norm", config.qk_l2_norm)
     base = get_gpt_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage, pp_rank=pp_rank, **kwargs)
     return swap_moe_parts(base, ext_config)

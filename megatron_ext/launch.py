@@ -1,0 +1,218 @@
+"""Run an unmodified Megatron training script with megatron_ext's flags and MoE specs.
+
+    python -m megatron_ext.launch pretrain_gpt.py --num-experts 8 --swiglu ... --moe-ext-transport symm
+    torchrun --nproc-per-node 8 -m megatron_ext.launch pretrain_gpt.py ...
+
+What it does, before running the script as `__main__` (runpy, `sys.argv` = the script and its
+arguments, the script's folder first on `sys.path` as `python script.py` would have it):
+
+1. Wraps `megatron.training.arguments.parse_args` so Megatron's parser also gets the
+   "megatron_ext MoE" group (`--moe-ext-*`), chained after whatever `extra_args_provider` the
+   script passes (upstream pretrain_gpt.py passes ModelOpt's). `parse_and_validate_args` looks
+   `parse_args` up in its module at call time, so it is covered too. The wrapper also escapes a
+   stray '%' in one of Megatron 0.19.2's help texts, without which `--help` crashes.
+2. After parsing: checks the flags against Megatron's (`validate_against_megatron`, errors name
+   both flags), sets `megatron_ext.specs.set_default_ext_config(...)`, and, for MoE models
+   (`--num-experts`) without a `--spec`, sets `args.spec = ["megatron_ext.specs", "gpt_block_spec"]`:
+   megatron.training's `gpt_config_from_args` imports it with `import_module(args.spec)` and
+   `GPTModelBuilder.build_model` calls it as `gpt_block_spec(model_config, vp_stage=...)`.
+
+This module is the only place that touches Megatron's training internals. Written against
+megatron-core 0.19.2 (megatron.training as shipped in that wheel, identical to Megatron-LM tag
+core_v0.19.0); `check_megatron_hook_points()` raises MegatronInternalsChanged, naming what
+moved, and runs on every launch and in the unit tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import runpy
+import sys
+
+from megatron_ext.arguments import (MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
+                                    validate_against_megatron)
+
+MEGATRON_VERSION = "0.19.2"
+EXT_SPEC = ["megatron_ext.specs", "gpt_block_spec"]
+
+# MoEExtConfig fields that nothing in megatron.training's loop consumes yet: refused under the
+# launcher so a flag never silently does nothing (wired by their own issues).
+NOT_WIRED_INTO_MEGATRON_TRAINING = {
+    "ddp_buckets": "--moe-ext-ddp-buckets is not wired into megatron.training's model wrapping yet "
+                   "(megatron.training 0.19.2 builds Megatron's DistributedDataParallel in "
+                   "megatron.training.models.dist_utils; megatron_ext.ddp.megatron_hook provides the "
+                   "replacement); drop the flag",
+}
+
+USAGE = """usage: python -m megatron_ext.launch SCRIPT.py [script arguments ...]
+
+Runs SCRIPT.py (e.g. Megatron-LM's unmodified pretrain_gpt.py, or examples/pretrain_gpt.py) as
+__main__ with megatron_ext's --moe-ext-* flags added to Megatron's parser and megatron_ext's
+MoE specs installed for MoE models (--num-experts, no --spec given).
+See the flags with: python -m megatron_ext.launch SCRIPT.py --help"""
+
+
+class MegatronInternalsChanged(RuntimeError):
+    """A Megatron name or signature the launcher hooks is not what it was in 0.19.2."""
+
+
+def check_megatron_hook_points() -> None:
+    """Raise MegatronInternalsChanged naming every hooked Megatron internal that changed."""
+    from megatron.core.transformer import spec_utils
+    from megatron.training import argument_utils, arguments
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    problems = []
+    parse_args = getattr(arguments.parse_args, "__wrapped__", arguments.parse_args)
+    if list(inspect.signature(parse_args).parameters) != ["extra_args_provider", "ignore_unknown_args"]:
+        problems.append(f"megatron.training.arguments.parse_args{inspect.signature(parse_args)} (expected "
+                        f"(extra_args_provider=None, ignore_unknown_args=False))")
+    validate = arguments.parse_and_validate_args
+    if list(inspect.signature(validate).parameters) != ["extra_args_provider", "ignore_unknown_args",
+                                                        "args_defaults"]:
+        problems.append(f"megatron.training.arguments.parse_and_validate_args{inspect.signature(validate)}")
+    if "parse_args" not in validate.__code__.co_names or validate.__globals__ is not vars(arguments):
+        problems.append("parse_and_validate_args no longer calls the module-level parse_args (the wrapper "
+                        "would be bypassed)")
+    if "import_module" not in argument_utils.gpt_config_from_args.__code__.co_names:
+        problems.append("megatron.training.argument_utils.gpt_config_from_args no longer imports args.spec "
+                        "with import_module")
+    if list(inspect.signature(spec_utils.import_module).parameters) != ["module_path"]:
+        problems.append(f"megatron.core.transformer.spec_utils.import_module"
+                        f"{inspect.signature(spec_utils.import_module)} (expected (module_path))")
+    build_source = inspect.getsource(GPTModelBuilder.build_model)
+    if "transformer_layer_spec(self._model_config, vp_stage=vp_stage)" not in build_source:
+        problems.append("GPTModelBuilder.build_model no longer calls a callable spec as "
+                        "spec(model_config, vp_stage=vp_stage)")
+    if problems:
+        raise MegatronInternalsChanged(
+            f"megatron_ext.launch was written against megatron-core {MEGATRON_VERSION}; these hook points "
+            f"changed:\n  - " + "\n  - ".join(problems))
+
+
+def _chain_providers(first, second):
+    """One extra_args_provider that runs `first` (may be None), then `second`."""
+    if first is None:
+        return second
+
+    def chained(parser):
+        return second(first(parser))
+
+    return chained
+
+
+def escape_stray_percent(parser):
+    """Megatron 0.19.2's own --help crashes: --moe-paged-stash-buffer-size-factor-cuda's help says
+    "10%)", which argparse reads as a format code. Escape every '%' that does not start a
+    "%(name)s" code or an escaped "%%", so `--help` prints (help text only; parsing is unchanged)."""
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            action.help = re.sub(r"%%|%\(|%", lambda m: m.group(0) if len(m.group(0)) == 2 else "%%", action.help)
+    return parser
+
+
+def prepare_parsed_args(args) -> None:
+    """Validate the --moe-ext-* flags, set the default ext config, install the spec for MoE models.
+
+    Raises MoEExtArgumentError with a message naming the flags to change.
+    """
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_ext import specs
+
+    validate_against_megatron(args)
+    ext_config = ext_config_from_args(args)
+    if getattr(args, "num_experts", None) is not None:
+        for field, why in NOT_WIRED_INTO_MEGATRON_TRAINING.items():
+            if getattr(ext_config, field):
+                raise MoEExtArgumentError(why)
+    specs.set_default_ext_config(ext_config)
+    if getattr(args, "num_experts", None) is None:
+        return  # dense model: nothing of ours to install
+    if getattr(args, "hybrid_layer_pattern", None) is not None:
+        _print_rank_0("megatron_ext: hybrid model (--hybrid-layer-pattern): its --spec is a hybrid stack spec, which "
+                      "megatron_ext does not provide; the MoE layers stay Megatron's")
+        return
+    if args.spec is None:
+        if getattr(args, "attention_backend", None) == AttnBackend.local:
+            raise MoEExtArgumentError(
+                "--attention-backend local requires --spec local in Megatron 0.19.2, which would bypass "
+                "megatron_ext's MoE specs (--spec megatron_ext.specs gpt_block_spec); use another "
+                "--attention-backend (e.g. auto, flash, fused, unfused)")
+        args.spec = list(EXT_SPEC)
+        _print_rank_0(f"megatron_ext: MoE layers from --spec {' '.join(EXT_SPEC)} ({ext_config})")
+    elif args.spec[0].startswith("megatron_ext"):
+        _resolve_spec(args.spec)
+
+
+def _resolve_spec(spec: list[str]) -> None:
+    """Import an explicit megatron_ext spec now: Megatron's import_module turns an ImportError into
+    `None`, i.e. a silent fallback to its own MoE layers."""
+    import importlib
+
+    if len(spec) != 2:
+        raise MoEExtArgumentError(f"--spec takes a module and a name, e.g. --spec {' '.join(EXT_SPEC)}; got {spec}")
+    module = importlib.import_module(spec[0])
+    if not callable(getattr(module, spec[1], None)):
+        raise MoEExtArgumentError(f"--spec {' '.join(spec)}: {spec[0]} has no spec builder {spec[1]!r}")
+
+
+def _print_rank_0(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
+def install() -> callable:
+    """Hook megatron.training's argument parsing; returns a function that removes the hook.
+
+    Safe to call twice (the second call is a no-op that returns the first's remover).
+    """
+    from megatron.training import arguments
+
+    check_megatron_hook_points()
+    original = arguments.parse_args
+    if getattr(original, "_megatron_ext_hook", False):
+        return original._megatron_ext_uninstall
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        provider = _chain_providers(_chain_providers(extra_args_provider, add_moe_ext_args), escape_stray_percent)
+        args = original(provider, ignore_unknown_args)
+        prepare_parsed_args(args)
+        return args
+
+    def uninstall():
+        arguments.parse_args = original
+
+    parse_args._megatron_ext_hook = True
+    parse_args._megatron_ext_uninstall = uninstall
+    arguments.parse_args = parse_args
+    return uninstall
+
+
+def run_script(script: str, script_args: list[str]) -> None:
+    """Run `script` as __main__ with sys.argv = [script, *script_args] (hook installed first)."""
+    if not os.path.isfile(script):
+        raise SystemExit(f"megatron_ext.launch: no such script: {script}\n\n{USAGE}")
+    install()
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except MoEExtArgumentError as error:
+        raise SystemExit(f"megatron_ext: error: {error}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0 if argv else 2)
+    run_script(argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The example entries on CPU ranks: examples/pretrain_gpt.py's arguments, model (through
+megatron.training's GPTModelBuilder calling our --spec hook), mock datasets and loss function;
+examples/custom_model.py's swapped custom spec, forward and backward."""
+
+import os
+import runpy
+
+import torch
+
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_ARGV = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+             "--micro-batch-size 2 --global-batch-size 2 --train-iters 3 --lr 1e-3 --num-experts 4 --swiglu "
+             "--disable-bias-linear --vocab-size 128 --transformer-impl local --normalization RMSNorm "
+             "--position-embedding-type rope --no-rope-fusion --no-gradient-accumulation-fusion "
+             "--use-cpu-initialization --moe-ext-transport torch --moe-ext-capacity-factor 2").split()
+
+
+def _pretrain_gpt_pieces(rank, world):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from megatron_ext.moe.layer import RowwiseMoELayer
+    from megatron_ext.specs import default_ext_config
+
+    example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "pretrain_gpt.py"), run_name="example")
+    args = example["parse_arguments"](TINY_ARGV)  # no data flag: mock data is the default
+    model = GPTModelBuilder(example["model_config"](args)).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    train, _, _ = example["train_valid_test_datasets_provider"]([4, 0, 0])
+    samples = [train[i] for i in range(2)]
+    batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), diagonal=1)
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], loss_mask=batch["loss_mask"])
+    loss, num_tokens, report = example["loss_func"](batch["loss_mask"], output)
+    (loss / num_tokens).backward()
+    return {"spec": args.spec, "mock_data": args.mock_data, "ext_config": default_ext_config(),
+            "rowwise_layers": sum(isinstance(m, RowwiseMoELayer) for m in model.modules()),
+            "loss_per_token": float(loss / num_tokens), "num_tokens": int(num_tokens),
+            "report": report["lm loss"].tolist(),
+            "expert_grads": all(p.grad is not None for n, p in model.named_parameters() if "experts" in n)}
+
+
+def test_pretrain_gpt_entry_builds_its_model_through_megatron_training():
+    result = run_on_ranks(_pretrain_gpt_pieces, 1, sizes=ParallelSizes(), timeout=180)[0]
+    assert result["spec"] == ["megatron_ext.specs", "gpt_block_spec"] and result["mock_data"]
+    assert result["ext_config"].transport == "torch" and result["ext_config"].capacity_factor == 2.0
+    assert result["rowwise_layers"] == 2
+    assert result["num_tokens"] == 64 and abs(result["loss_per_token"] - torch.log(torch.tensor(128.0)).item()) < 1.0
+    assert result["report"][1] == 64.0 and abs(result["report"][0] / 64 - result["loss_per_token"]) < 1e-5
+    assert result["expert_grads"]
+
+
+def test_custom_model_example_swaps_only_the_moe_layer(capsys):
+    example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "custom_model.py"), run_name="example")
+    results = example["main"](["--ranks", "2"])
+    assert [r["mlp_per_layer"] for r in results] == [["MLP", "RowwiseMoELayer", "MLP"]] * 2
+    assert all(torch.isfinite(torch.tensor(r["loss"])) and r["expert_grad_norm"] > 0 for r in results)
+    assert "layers' MLPs" in capsys.readouterr().out

@@ -1,0 +1,149 @@
+"""The --moe-ext-* flags: one per MoEExtConfig field, round trips, wrong combinations, --help, README."""
+
+import argparse
+import dataclasses
+import os
+
+import pytest
+
+from megatron_ext.arguments import (FLAGS, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
+                                    ext_config_to_argv, flag_table_markdown, validate_against_megatron)
+from megatron_ext.config import MoEExtConfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear"]
+
+
+@pytest.fixture(scope="module")
+def megatron_parser():
+    """Megatron 0.19.2's full training parser with the megatron_ext group added."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_moe_ext_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def test_every_config_field_has_exactly_one_flag():
+    assert sorted(f.field for f in FLAGS) == sorted(MoEExtConfig.field_names())
+    assert all(f.flag.startswith("--moe-ext-") for f in FLAGS)
+    assert len({f.flag for f in FLAGS}) == len(FLAGS)
+
+
+def test_defaults_round_trip(megatron_parser):
+    assert ext_config_from_args(megatron_parser.parse_args([])) == MoEExtConfig()
+
+
+@pytest.mark.parametrize("config", [
+    MoEExtConfig(dispatcher="megatron", transport="torch", capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096,
+                 ddp_buckets=True, metrics_interval=10, debug_poison=True, debug_checks=True, lease_slots=3,
+                 compile_route_map=False),
+    MoEExtConfig(transport="symm", mxfp8_dispatch=True, cuda_graphs=True, capacity_factor=1.0),
+    MoEExtConfig(transport="deepep", max_tokens_per_rank=1),
+])
+def test_non_default_configs_round_trip_through_megatrons_parser(megatron_parser, config):
+    changed = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]
+    assert changed, "a round-trip case must change something"
+    assert ext_config_from_args(megatron_parser.parse_args(ext_config_to_argv(config))) == config
+
+
+def test_every_field_is_reachable_from_its_flag(megatron_parser):
+    """Each flag alone changes exactly its own field."""
+    for flag in FLAGS:
+        argv = [flag.flag] if flag.kind != "value" else [flag.flag, {"dispatcher": "megatron", "transport": "torch",
+                                                                      "capacity_factor": "3.5"}.get(flag.field, "7")]
+        config = ext_config_from_args(megatron_parser.parse_args(argv))
+        differs = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]
+        assert differs == [flag.field], (flag.flag, differs)
+
+
+def test_group_is_added_once(megatron_parser):
+    assert add_moe_ext_args(megatron_parser) is megatron_parser  # idempotent, no argparse conflict
+
+
+def test_help_lists_every_flag(megatron_parser):
+    from megatron_ext.launch import escape_stray_percent
+
+    text = escape_stray_percent(megatron_parser).format_help()
+    assert "megatron_ext MoE" in text
+    for flag in FLAGS:
+        assert flag.flag in text
+
+
+def test_readme_table_matches_the_flags():
+    with open(os.path.join(REPO_ROOT, "README.md")) as handle:
+        readme = handle.read()
+    assert flag_table_markdown() in readme, (
+        "README's flag table is out of date: replace it with `python -m megatron_ext.arguments --markdown`")
+
+
+def _parse(parser, argv):
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv,flags", [
+    (MOE_MODEL + ["--moe-expert-capacity-factor", "1.0"], ["--moe-ext-dispatcher rowwise", "--moe-expert-capacity-factor"]),
+    (MOE_MODEL + ["--moe-pad-expert-input-to-capacity"], ["--moe-ext-dispatcher rowwise", "--moe-pad-expert-input-to-capacity"]),
+    (MOE_MODEL + ["--moe-shared-expert-overlap"], ["--moe-ext-dispatcher rowwise", "--moe-shared-expert-overlap"]),
+    (MOE_MODEL + ["--overlap-moe-expert-parallel-comm"], ["--moe-ext-dispatcher rowwise", "--overlap-moe-expert-parallel-comm"]),
+    (MOE_MODEL + ["--expert-tensor-parallel-size", "2"], ["--moe-ext-dispatcher rowwise", "--expert-tensor-parallel-size 2"]),
+    (MOE_MODEL + ["--tensor-model-parallel-size", "2"], ["--moe-ext-dispatcher rowwise", "--tensor-model-parallel-size 2",
+                                                         "--expert-tensor-parallel-size 1"]),
+    (MOE_MODEL + ["--moe-token-dispatcher-type", "flex"], ["--moe-ext-dispatcher rowwise", "--moe-token-dispatcher-type flex"]),
+    (MOE_MODEL + ["--moe-enable-deepep"], ["--moe-ext-dispatcher rowwise", "--moe-enable-deepep"]),
+    (["--num-experts", "6", "--swiglu", "--disable-bias-linear", "--expert-model-parallel-size", "4"],
+     ["--num-experts 6", "--expert-model-parallel-size 4"]),
+    (MOE_MODEL + ["--moe-ext-mxfp8-dispatch", "--hidden-size", "100"], ["--moe-ext-mxfp8-dispatch", "--hidden-size 100"]),
+    (["--num-experts", "8", "--disable-bias-linear"], ["--num-experts 8", "--swiglu"]),
+    (["--num-experts", "8", "--swiglu"], ["--num-experts 8", "--disable-bias-linear"]),
+    (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-mxfp8-dispatch"],
+     ["--moe-ext-mxfp8-dispatch", "--moe-ext-dispatcher megatron"]),
+    (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-cuda-graphs"],
+     ["--moe-ext-cuda-graphs", "--moe-ext-dispatcher megatron"]),
+    (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-transport", "symm"],
+     ["--moe-ext-transport symm", "--moe-ext-dispatcher"]),
+    (MOE_MODEL + ["--moe-router-topk", "9"], ["--moe-router-topk 9", "--num-experts 8"]),
+])
+def test_wrong_combinations_name_both_flags(megatron_parser, argv, flags):
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(_parse(megatron_parser, argv))
+    for flag in flags:
+        assert flag in str(error.value), (flag, str(error.value))
+
+
+def test_all_problems_are_listed_at_once(megatron_parser):
+    args = _parse(megatron_parser, ["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"])
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(args)
+    message = str(error.value)
+    assert "--swiglu" in message and "--disable-bias-linear" in message and "--moe-expert-capacity-factor" in message
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--moe-ext-capacity-factor", "0"], "--moe-ext-capacity-factor"),
+    (["--moe-ext-lease-slots", "0"], "--moe-ext-lease-slots"),
+    (["--moe-ext-max-tokens-per-rank", "0"], "--moe-ext-max-tokens-per-rank"),
+    (["--moe-ext-metrics-interval", "-1"], "--moe-ext-metrics-interval"),
+])
+def test_bad_single_values_name_their_flag(megatron_parser, argv, flag):
+    with pytest.raises(MoEExtArgumentError, match=flag):
+        ext_config_from_args(_parse(megatron_parser, argv))
+
+
+@pytest.mark.parametrize("argv", [
+    MOE_MODEL,
+    MOE_MODEL + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+    MOE_MODEL + ["--expert-model-parallel-size", "8", "--hidden-size", "64", "--moe-ext-mxfp8-dispatch"],
+    MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-expert-capacity-factor", "1.0",
+                 "--moe-token-dispatcher-type", "flex"],
+    ["--moe-expert-capacity-factor", "1.0"],  # dense model: nothing to check
+])
+def test_valid_combinations_pass(megatron_parser, argv):
+    validate_against_megatron(_parse(megatron_parser, argv))
+
+
+def test_symm_transport_without_gpus_is_left_to_runtime(megatron_parser):
+    validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--moe-ext-transport", "symm"]))
+
+
+def test_missing_group_is_a_clear_error():
+    with pytest.raises(MoEExtArgumentError, match="add_moe_ext_args"):
+        ext_config_from_args(argparse.Namespace(num_experts=8))

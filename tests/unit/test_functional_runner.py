@@ -1,0 +1,272 @@
+"""Functional-test machinery without training: comparison with Megatron's tolerances (including
+cases that MUST fail), log parsing, case files, and the runner's no-golden-values answer.
+Every case's and example script's flags are parsed by Megatron's parser with the hook installed."""
+
+import math
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.functional_tests import case_config, compare, log_metrics, runner
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def golden(series):
+    return compare.to_golden_format(series)
+
+
+def losses(n=100, start=10.0):
+    return {step: start - 0.05 * step for step in range(1, n + 1)}
+
+
+def failed(results):
+    return [r for r in results if not r.passed]
+
+
+# ---- comparison ---------------------------------------------------------------------------------
+
+def test_identical_values_pass_every_check():
+    values = {"lm loss": golden(losses()), "num-zeros": golden({s: 100.0 for s in range(1, 101)})}
+    results = compare.compare_metrics(values, values, ["lm loss", "num-zeros"], allow_nondeterministic=False)
+    assert len(results) == 4 and not failed(results)
+
+
+def test_perturbed_golden_values_must_fail():
+    actual = {"lm loss": golden(losses())}
+    perturbed = {"lm loss": golden({s: v * (1.10 if s % 2 else 1.0) for s, v in losses().items()})}  # 50 steps off 10%
+    results = compare.compare_metrics(perturbed, actual, ["lm loss"], allow_nondeterministic=False)
+    assert {r.test for r in failed(results)} == {"deterministic", "approximate (rtol 0.05)"}
+    assert "50 of 100 steps differ (allowed 1)" in failed(results)[1].message
+
+
+def test_tiny_difference_fails_only_the_exact_check():
+    actual = {"lm loss": golden(losses())}
+    nudged = {"lm loss": golden({s: v + (1e-6 if s == 7 else 0.0) for s, v in losses().items()})}
+    results = compare.compare_metrics(nudged, actual, ["lm loss"], allow_nondeterministic=False)
+    assert [r.test for r in failed(results)] == ["deterministic"]
+    assert "step 7" in failed(results)[0].message
+    assert not failed(compare.compare_metrics(nudged, actual, ["lm loss"], allow_nondeterministic=True))
+
+
+def test_nondeterministic_cases_skip_the_exact_check():
+    values = {"lm loss": golden(losses())}
+    results = compare.compare_metrics(values, values, ["lm loss"], allow_nondeterministic=True)
+    assert [r.test for r in results] == [compare.INFORMATIONAL_EXACT, "approximate (rtol 0.05)"]
+    assert results[0].passed and "100 of 100 steps bitwise equal" in results[0].message
+
+
+@pytest.mark.parametrize("n,allowed", [(10, 1), (99, 1), (100, 1), (250, 2), (5000, 50), (100000, 50)])
+def test_allowed_failing_steps_follow_megatron(n, allowed):
+    assert compare.allowed_failing_steps(n) == allowed
+
+
+def test_approximate_check_tolerates_exactly_the_allowance():
+    base = losses(200)
+    one_bad = {s: v * (1.5 if s in (3, 150) else 1.0) for s, v in base.items()}  # 2 bad of 200: allowed 2
+    three_bad = {s: v * (1.5 if s in (3, 150, 199) else 1.0) for s, v in base.items()}
+    kwargs = dict(metrics=["lm loss"], allow_nondeterministic=True)
+    assert not failed(compare.compare_metrics({"lm loss": golden(one_bad)}, {"lm loss": golden(base)}, **kwargs))
+    assert failed(compare.compare_metrics({"lm loss": golden(three_bad)}, {"lm loss": golden(base)}, **kwargs))
+
+
+def test_num_zeros_uses_rtol_020():
+    base = {s: 100.0 for s in range(1, 11)}
+    within = {s: 119.0 for s in range(1, 11)}
+    beyond = {s: 121.0 for s in range(1, 11)}
+    kwargs = dict(metrics=["num-zeros"], allow_nondeterministic=True)
+    assert not failed(compare.compare_metrics({"num-zeros": golden(base)}, {"num-zeros": golden(within)}, **kwargs))
+    assert failed(compare.compare_metrics({"num-zeros": golden(base)}, {"num-zeros": golden(beyond)}, **kwargs))
+
+
+def test_iteration_time_compares_the_steady_window_median():
+    golden_time = {s: (5.0 if s <= 2 else 0.100) for s in range(1, 51)}  # slow startup steps
+    actual_fast_start = {s: 0.103 for s in range(1, 51)}
+    actual_slow = {s: 0.110 for s in range(1, 51)}
+    kwargs = dict(metrics=["iteration-time"], allow_nondeterministic=True)
+    ok = compare.compare_metrics({"iteration-time": golden(golden_time)},
+                                 {"iteration-time": golden(actual_fast_start)}, **kwargs)
+    assert not failed(ok) and "median" in ok[0].message
+    assert failed(compare.compare_metrics({"iteration-time": golden(golden_time)},
+                                          {"iteration-time": golden(actual_slow)}, **kwargs))
+    two_phase = {s: (0.2 if s <= 25 else 0.1) for s in range(1, 51)}
+    flat = {"iteration-time": golden({s: 0.1 for s in range(1, 51)})}
+    assert not failed(compare.compare_metrics({"iteration-time": golden(two_phase)}, flat, **kwargs))
+    window = compare.compare_metrics({"iteration-time": golden(two_phase)}, flat, steady_window=(1, 25), **kwargs)
+    assert failed(window) and "steps 1..25" in window[0].message, "the configured window is the one compared"
+
+
+def test_missing_metric_or_step_fails_never_skips():
+    values = {"lm loss": golden(losses(10))}
+    assert failed(compare.compare_metrics(values, {}, ["lm loss"], allow_nondeterministic=True))
+    assert failed(compare.compare_metrics({}, values, ["lm loss"], allow_nondeterministic=True))
+    short = {"lm loss": golden(losses(8))}
+    result = failed(compare.compare_metrics(values, short, ["lm loss"], allow_nondeterministic=True))
+    assert result and "lacks 2 golden steps" in result[0].message
+    assert failed(compare.compare_metrics(values, values, ["no such metric"], allow_nondeterministic=True))
+
+
+def test_nan_loss_fails_unless_golden_is_nan():
+    base = losses(10)
+    with_nan = {**base, 5: math.nan}
+    kwargs = dict(metrics=["lm loss"], allow_nondeterministic=False)
+    assert failed(compare.compare_metrics({"lm loss": golden(base)}, {"lm loss": golden(with_nan)}, **kwargs))
+    assert not failed(compare.compare_metrics({"lm loss": golden(with_nan)}, {"lm loss": golden(with_nan)}, **kwargs))
+
+
+def test_restrict_steps_keeps_the_resumed_part():
+    values = {"lm loss": golden(losses(50))}
+    resumed = compare.restrict_steps(values, 26)["lm loss"]
+    assert (resumed["start_step"], resumed["end_step"], len(resumed["values"])) == (26, 50, 25)
+
+
+# ---- logs -----------------------------------------------------------------------------------------
+
+MEGATRON_LOG = """\
+ [2026-11-29 10:00:00.000000] iteration        1/      50 | consumed samples:           32 | elapsed time per iteration (ms): 2500.5 | learning rate: 6.000000E-05 | global batch size:    32 | lm loss: 1.038945E+01 | load_balancing_loss: 1.010000E+00 | loss scale: 1.0 | grad norm: 3.142 | num zeros: 17 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[Rank 0] (after 1 iterations) memory (MB) | allocated: 1024.50 | max allocated: 2048.25 | reserved: 3000.00 | max reserved: 3000.00
+[Rank 1] (after 1 iterations) memory (MB) | allocated: 9999.00 | max allocated: 9999.00 | reserved: 3000.00 | max reserved: 3000.00
+[default0]: [2026-11-29 10:00:01.000000] iteration        2/      50 | consumed samples:           64 | elapsed time per iteration (ms): 98.0 | lm loss: 1.021000E+01 | loss scale: 1.0 | num zeros: 12 |
+"""
+
+
+def test_megatron_log_lines_become_metrics():
+    series = log_metrics.parse_log(MEGATRON_LOG)
+    assert series["lm loss"] == {1: 10.38945, 2: 10.21}
+    assert series["num-zeros"] == {1: 17.0, 2: 12.0}
+    assert series["iteration-time"] == {1: 2.5005, 2: 0.098}
+    assert series["mem-allocated-bytes"] == {1: 1024.5 * 2 ** 20}  # lowest rank's line
+    assert series["mem-max-allocated-bytes"] == {1: 2048.25 * 2 ** 20}
+
+
+def test_cpu_job_lines_parse_like_megatrons():
+    line = (" iteration        3/      10 | elapsed time per iteration (ms): 41.2 | lm loss: 3.460552E+00 | "
+            "dropped routes: 0 | MoE host syncs: 0 |")
+    values = log_metrics.metrics_from_log(line, ["lm loss", "iteration-time", "num-zeros"])
+    assert values["lm loss"]["values"] == {"3": 3.460552}
+    assert "num-zeros" not in values
+
+
+# ---- case files and the runner --------------------------------------------------------------------
+
+def test_yaml_subset_reader():
+    text = """
+# comment
+ENV_VARS:
+  A: 1  # trailing comment
+  B: ":4096:8"
+MODEL_ARGS:
+  --lr: 3e-4
+  --flag: true
+  --off: false
+  --path: ${CHECKPOINT_SAVE_PATH}/x
+STEADY_WINDOW: [10, 50]
+METRICS:
+  - lm loss
+  - "num-zeros"
+TEST_TYPE: regular
+"""
+    parsed = case_config.load_yaml_subset(text)
+    assert parsed == {"ENV_VARS": {"A": 1, "B": ":4096:8"},
+                      "MODEL_ARGS": {"--lr": 3e-4, "--flag": True, "--off": False,
+                                     "--path": "${CHECKPOINT_SAVE_PATH}/x"},
+                      "STEADY_WINDOW": [10, 50], "METRICS": ["lm loss", "num-zeros"], "TEST_TYPE": "regular"}
+    argv = case_config.model_args_to_argv(parsed["MODEL_ARGS"], {"CHECKPOINT_SAVE_PATH": "/ck"})
+    assert argv == ["--lr", "0.0003", "--flag", "--path", "/ck/x"]
+    with pytest.raises(ValueError, match="unknown placeholder"):
+        case_config.model_args_to_argv({"--x": "${NOPE}"}, {})
+
+
+EXPECTED_CASES = {"gpt/tiny_moe_rowwise_cpu_ep2", "gpt/moe_rowwise_1gpu", "gpt/moe_rowwise_1gpu_ckpt_resume",
+                  "gpt/moe_rowwise_ep8_folding"}
+
+
+def test_every_case_loads_with_known_metrics():
+    assert EXPECTED_CASES <= set(case_config.list_cases())
+    for name in case_config.list_cases():
+        case = case_config.FunctionalCase.load(name)
+        assert set(case.config["METRICS"]) <= set(compare.CHECK_THRESHOLDS), name
+        assert os.path.isfile(os.path.join(REPO_ROOT, case.config["SCRIPT"])), name
+        if case.config["TEST_TYPE"] == "ckpt-resume":
+            assert "RESUME_ARGS" in case.config and "RESUME_STEP" in case.config, name
+
+
+def test_cpu_case_has_golden_values_in_megatrons_format():
+    case = case_config.FunctionalCase.load("gpt/tiny_moe_rowwise_cpu_ep2")
+    values = case.load_golden()
+    entry = values["lm loss"]
+    assert (entry["start_step"], entry["end_step"], entry["step_interval"]) == (1, 10, 1)
+    assert list(entry["values"]) == [str(s) for s in range(1, 11)]
+    assert "iteration-time" not in case.config["METRICS"], "iteration time is not compared on CPU"
+
+
+def test_runner_says_no_golden_values_yet_instead_of_passing(monkeypatch, tmp_path):
+    monkeypatch.setattr(runner, "visible_gpus", lambda: 8)
+    for name in ("gpt/moe_rowwise_1gpu", "gpt/moe_rowwise_1gpu_ckpt_resume", "gpt/moe_rowwise_ep8_folding"):
+        case = case_config.FunctionalCase.load(name)
+        if case.load_golden() is not None:
+            continue  # generated on the GPUs since
+        outcome = runner.run_case(name, str(tmp_path / "out"))
+        assert outcome.code == runner.NO_GOLDEN, outcome.summary
+        assert "NO GOLDEN VALUES YET" in outcome.summary and f"--case {name} --generate" in outcome.summary
+        assert not (tmp_path / "out").exists(), "no training may start without golden values"
+
+
+def test_gpu_cases_skip_without_gpus(monkeypatch):
+    monkeypatch.setattr(runner, "visible_gpus", lambda: 0)
+    assert runner.run_case("gpt/moe_rowwise_1gpu").code == runner.SKIPPED
+
+
+def test_training_command_uses_the_launcher_for_torchrun_cases():
+    case = case_config.FunctionalCase.load("gpt/moe_rowwise_ep8_folding")
+    command = runner.training_command(case, [], {"CHECKPOINT_SAVE_PATH": "/ck"})
+    assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", "-m"]
+    assert command[7:9] == ["megatron_ext.launch", os.path.join(REPO_ROOT, "examples/pretrain_gpt.py")]
+
+
+# ---- the GPU cases' and example scripts' flags, parsed on CPU by Megatron's parser + the hook ------
+
+def _script_argv(path):
+    out = subprocess.run(["bash", path], env={**os.environ, "PRINT_ONLY": "1"}, capture_output=True, text=True,
+                         cwd=REPO_ROOT, check=True).stdout
+    words = shlex.split(out)
+    return words[words.index("examples/pretrain_gpt.py") + 1:]
+
+
+def _case_argv(name):
+    case = case_config.FunctionalCase.load(name)
+    placeholders = dict.fromkeys(("OUTPUT_PATH", "CHECKPOINT_SAVE_PATH", "CHECKPOINT_LOAD_PATH",
+                                  "TENSORBOARD_PATH", "DATA_PATH"), "/tmp/x")
+    return (case_config.model_args_to_argv(case.config["MODEL_ARGS"], placeholders)
+            + case_config.model_args_to_argv(case.config.get("RESUME_ARGS") or {}, placeholders))
+
+
+@pytest.mark.parametrize("source", ["examples/run_1gpu.sh", "examples/run_8gpu_folding.sh", "gpt/moe_rowwise_1gpu",
+                                    "gpt/moe_rowwise_1gpu_ckpt_resume", "gpt/moe_rowwise_ep8_folding"])
+def test_gpu_flags_parse_and_validate(source, monkeypatch):
+    from megatron.training import arguments
+
+    from megatron_ext import launch, specs
+
+    argv = _script_argv(os.path.join(REPO_ROOT, source)) if source.endswith(".sh") else _case_argv(source)
+    uninstall = launch.install()
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    try:
+        args = arguments.parse_args()
+    finally:
+        uninstall()
+        monkeypatch.setattr(specs, "_default_ext_config", None)
+    assert args.spec == launch.EXT_SPEC and args.moe_ext_dispatcher == "rowwise" and args.moe_ext_transport == "symm"
+    assert args.train_iters >= 50 and args.log_interval == 1
+    if "8gpu" in source or "ep8" in source:
+        assert (args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                args.expert_tensor_parallel_size) == (2, 8, 1)
+
+
+def test_runner_cli_lists_cases():
+    result = subprocess.run([sys.executable, "tests/functional_tests/runner.py", "--list"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and set(result.stdout.split()) >= EXPECTED_CASES

@@ -1,0 +1,162 @@
+"""megatron_ext.launch: the hook on Megatron's parser, the spec injection, and the Megatron
+internals it relies on (a test fails loudly when megatron-core changes them)."""
+
+import argparse
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_ext import launch, specs
+from megatron_ext.arguments import MoEExtArgumentError
+from megatron_ext.config import MoEExtConfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear"]
+
+
+@pytest.fixture
+def hooked(monkeypatch):
+    """The hook installed for one test, removed (with the default ext config reset) after it."""
+    from megatron.training import arguments
+
+    original = arguments.parse_args
+    uninstall = launch.install()
+    yield arguments
+    uninstall()
+    assert arguments.parse_args is original
+    monkeypatch.setattr(specs, "_default_ext_config", None)
+
+
+def parse_with(arguments, argv, provider=None):
+    saved = sys.argv
+    sys.argv = ["train.py", *argv]
+    try:
+        return arguments.parse_args(extra_args_provider=provider)
+    finally:
+        sys.argv = saved
+
+
+def test_megatron_hook_points_are_as_written_for():
+    launch.check_megatron_hook_points()
+
+
+def test_hook_point_check_fails_loudly_when_parse_args_changes(monkeypatch):
+    from megatron.training import arguments
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False, new_option=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(arguments, "parse_args", parse_args)
+    with pytest.raises(launch.MegatronInternalsChanged, match="parse_args"):
+        launch.check_megatron_hook_points()
+
+
+def test_megatron_calls_a_spec_the_way_gpt_block_spec_accepts():
+    parameters = inspect.signature(specs.gpt_block_spec).parameters
+    assert "vp_stage" in parameters and list(parameters)[0] == "config"
+
+
+def test_hook_adds_the_group_and_chains_the_scripts_provider(hooked):
+    def provider(parser):
+        parser.add_argument("--my-flag", type=int, default=0)
+        return parser
+
+    args = parse_with(hooked, MOE_MODEL + ["--my-flag", "3", "--moe-ext-transport", "torch",
+                                           "--moe-ext-capacity-factor", "2"], provider)
+    assert args.my_flag == 3
+    assert args.spec == launch.EXT_SPEC
+    assert specs.default_ext_config() == MoEExtConfig(transport="torch", capacity_factor=2.0)
+
+
+def test_hook_covers_parse_and_validate_args(hooked):
+    """parse_and_validate_args looks parse_args up at call time, so it reaches the wrapper."""
+    assert hooked.parse_and_validate_args.__globals__["parse_args"] is hooked.parse_args
+
+
+def test_install_twice_is_one_hook(hooked):
+    wrapper = hooked.parse_args
+    launch.install()
+    assert hooked.parse_args is wrapper
+
+
+def test_dense_models_keep_megatrons_spec(hooked):
+    assert parse_with(hooked, []).spec is None
+
+
+def test_hybrid_models_keep_their_own_stack_spec(hooked, capsys):
+    assert parse_with(hooked, MOE_MODEL + ["--hybrid-layer-pattern", "M*E"]).spec is None
+    assert "hybrid model" in capsys.readouterr().out
+
+
+def test_an_explicit_spec_is_kept(hooked):
+    args = parse_with(hooked, MOE_MODEL + ["--spec", "megatron_ext.specs", "gpt_block_spec"])
+    assert args.spec == ["megatron_ext.specs", "gpt_block_spec"]
+
+
+def test_a_missing_megatron_ext_spec_is_an_error_not_a_silent_fallback(hooked):
+    with pytest.raises(MoEExtArgumentError, match="no spec builder"):
+        parse_with(hooked, MOE_MODEL + ["--spec", "megatron_ext.specs", "no_such_builder"])
+
+
+def test_wrong_combination_fails_at_parse_time(hooked):
+    with pytest.raises(MoEExtArgumentError, match="--moe-expert-capacity-factor"):
+        parse_with(hooked, MOE_MODEL + ["--moe-expert-capacity-factor", "1.0"])
+
+
+def test_local_attention_backend_is_refused_with_a_reason(hooked):
+    with pytest.raises(MoEExtArgumentError, match="--attention-backend local"):
+        parse_with(hooked, MOE_MODEL + ["--attention-backend", "local"])
+
+
+def test_flags_not_yet_wired_into_megatron_training_are_refused(hooked):
+    with pytest.raises(MoEExtArgumentError, match="--moe-ext-ddp-buckets"):
+        parse_with(hooked, MOE_MODEL + ["--moe-ext-ddp-buckets"])
+
+
+def test_megatrons_own_help_prints_under_the_hook(hooked, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_with(hooked, ["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--moe-ext-dispatcher" in out and "--moe-paged-stash-buffer-size-factor-cuda" in out
+
+
+def test_stray_percent_escape_keeps_format_codes():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--a", default=3, help="10%) headroom, 100%% of it, default %(default)s")
+    launch.escape_stray_percent(parser)
+    assert "10%) headroom, 100% of it, default 3" in " ".join(parser.format_help().split())
+
+
+def test_launcher_runs_an_unmodified_script_as_main(tmp_path):
+    """End to end in a subprocess: a script that only calls Megatron's parse_args gets our flags."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        from megatron.training.arguments import parse_args
+        from megatron_ext.specs import default_ext_config
+
+        def provider(parser):
+            parser.add_argument("--my-flag", type=int, default=0)
+            return parser
+
+        if __name__ == "__main__":
+            args = parse_args(extra_args_provider=provider)
+            print("RESULT", args.my_flag, args.spec, default_ext_config())
+    """))
+    result = subprocess.run([sys.executable, "-m", "megatron_ext.launch", str(script), "--my-flag", "5", *MOE_MODEL,
+                             "--moe-ext-transport", "torch", "--moe-ext-lease-slots", "2"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    assert line == ("RESULT 5 ['megatron_ext.specs', 'gpt_block_spec'] "
+                    f"{MoEExtConfig(transport='torch', lease_slots=2)}")
+
+
+def test_launcher_usage_without_a_script():
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main([])
+    assert exit_info.value.code == 2
