@@ -2,14 +2,16 @@
 
 Cost removed: a BF16 row costs 2H bytes on the wire and in the symmetric dispatch buffer; a
 packed MXFP8 row costs H + H/32 bytes rounded up to 16 (0.52x at H = 2048). Costs accepted
-(Hopper has no MXFP8 GEMM): one quantize of the source tokens before the PUT and one
+(Hopper has no MXFP8 GEMM): the quantize of the source tokens (fused into the PUT kernel
+by the symm transport, ``kernels/mxfp8_put.py``; a separate pass in the torch one) and one
 dequantize of the received buffer into BF16 for the grouped GEMM; the experts then save that
 BF16 input for Wgrad (the payload itself is released right after the dequantize). Combine and
 both backward transfers stay BF16, as in the report. Gradients pass the quantizer straight
 through: d(tokens) is the dispatch backward of d(dequantized buffer).
 
-Packed rows are moved as float32 words (16-byte aligned rows, no arithmetic on them), so both
-transports carry them bit-exactly without a byte dtype of their own.
+Transports return the packed rows as uint8 [C, packed_row_bytes(H)] from
+``dispatch_quantized``; both keep them in float32-word slots (16-byte aligned rows, no
+arithmetic on them), so they carry the bytes exactly without a byte dtype of their own.
 """
 
 from __future__ import annotations
@@ -42,9 +44,8 @@ def dequantize_packed(packed: torch.Tensor, hidden: int, dtype: torch.dtype) -> 
 class _DispatchMXFP8Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, transport: RowTransport, route: RouteMap):
-        packed = quantize_packed(tokens.contiguous())
-        buffer, lease = transport.dispatch(packed.view(torch.float32), route)
-        expert_input = dequantize_packed(buffer.view(torch.uint8), tokens.shape[1], tokens.dtype)
+        buffer, lease = transport.dispatch_quantized(tokens.contiguous(), route)  # uint8 [C, P]
+        expert_input = dequantize_packed(buffer, tokens.shape[1], tokens.dtype)
         transport.release(lease)  # the BF16 copy is what the experts read from here on
         ctx.transport, ctx.route = transport, route
         return expert_input

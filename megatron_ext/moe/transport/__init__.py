@@ -48,5 +48,9 @@ def make_transport(ext_config, group, capacity: int, device: torch.device):
         from megatron_ext.moe.transport.symm import SymmRowTransport
 
         return SymmRowTransport(group, capacity, lease_slots=ext_config.lease_slots, poison=ext_config.debug_poison)
+    if choice == "deepep":
+        from megatron_ext.moe.transport.deepep import DeepEPRowTransport
+
+        return DeepEPRowTransport(group, capacity, poison_tail=ext_config.debug_poison)
     raise ValueError(f"row transport {choice!r} is not available in this build of megatron_ext; "
                      f"use transport='symm' (GPUs in one host) or 'torch'")

@@ -13,6 +13,9 @@
   dispatch_backward(grad_buffer [C, H], route) -> grad_tokens [T, H]
       GET: each source fetches and sums its K route gradients.
   release(lease): the dispatch buffer's last reader (the up-projection's Wgrad) is done.
+  dispatch_quantized(tokens [T, H], route) -> (packed uint8 [C, P], lease)
+      PUT of MXFP8 rows (moe/mxfp8_dispatch.py): quantize each token row once and write the
+      packed bytes into every kept route's row (fused into the PUT kernel on symm).
 """
 
 from __future__ import annotations
@@ -37,3 +40,5 @@ class RowTransport(Protocol):
     def dispatch_backward(self, grad_buffer: torch.Tensor, route: RouteMap) -> torch.Tensor: ...
 
     def release(self, lease) -> None: ...
+
+    def dispatch_quantized(self, tokens: torch.Tensor, route: RouteMap) -> tuple[torch.Tensor, object]: ...

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
 from megatron_ext.kernels.row_transfer import get_rows, put_rows
 from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, allocate_symmetric, shared_scratch
+from megatron_ext.moe.mxfp8 import packed_row_bytes
 from megatron_ext.moe.route_map import RouteMap
 
 
@@ -60,6 +62,20 @@ class SymmRowTransport:
         put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table)
         lease.buffer.barrier()
         return lease.buffer.local, lease
+
+    def dispatch_quantized(self, tokens: torch.Tensor, route: RouteMap):
+        """PUT of MXFP8 rows: tokens [T, H] bf16/fp32 are quantized inside the PUT kernel straight
+        into the leased slot (no packed staging tensor). Returns (uint8 [C, packed_row_bytes(H)], lease).
+
+        Slots are float32 [C, P/4] words (byte-viewed for the kernel and the caller), so the
+        pool's NaN poisoning and the slot shape are those of dispatch(packed.view(float32)).
+        """
+        row_bytes = packed_row_bytes(tokens.shape[1])
+        self._ensure_buffers(row_bytes // 4, torch.float32, tokens.device)
+        lease = self.pool.acquire()
+        put_rows_mxfp8(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table)
+        lease.buffer.barrier()
+        return lease.buffer.local.view(torch.uint8), lease
 
     def combine(self, expert_out: torch.Tensor, route: RouteMap, probs: torch.Tensor):
         source = self._gather_source("combine_source", expert_out)

@@ -36,6 +36,14 @@ class TorchRowTransport:
     def dispatch(self, tokens, route):
         return self._put(tokens, route), None
 
+    def dispatch_quantized(self, tokens, route):
+        """MXFP8 rows: quantize and pack [T, H] tokens, then the same PUT on the packed rows viewed
+        as float32 words (bit-exact: no arithmetic on them). Returns (uint8 [C, P], None)."""
+        from megatron_ext.moe.mxfp8_dispatch import quantize_packed  # that module imports transports
+
+        packed = quantize_packed(tokens.contiguous())
+        return self._put(packed.view(torch.float32), route).view(torch.uint8), None
+
     def combine(self, expert_out, route, probs):
         return self._get(expert_out, route, weights=probs, keep_gathered=True)
 

@@ -1,0 +1,101 @@
+"""Fused MXFP8 quantize + PUT: token rows land in peers' dispatch buffers as packed MXFP8 rows.
+
+`put_rows_mxfp8(src, dest_rank, dest_row, peer_table)` quantizes each token row of ``src``
+([T, H] bf16/fp32) with the arithmetic of ``mxfp8_quant.mxfp8_quantize_tile`` and stores the
+packed row (H E4M3 bytes, H/32 E8M0 bytes, zero pad to ``packed_row_bytes(H)``; layout in
+``megatron_ext/moe/mxfp8.py``) into row ``dest_row[t, k]`` of rank ``dest_rank[t, k]``'s uint8
+buffer [C, packed_row_bytes(H)] for every kept route; dropped routes (-1) write nothing. The
+bytes equal ``pack_rows(quantize_rows(src))`` row for row.
+
+Cost removed (vs ``quantize_rows_packed_triton`` then ``put_rows`` on the packed rows): no
+packed [T, P] staging tensor (its write, its K re-reads, its pad fill), one launch instead of
+two or three, and the token row is read and quantized once for all of its K destinations.
+Costs accepted: one compile per (H, K, input dtype); per route the stores are byte rows
+(values, then scales, then <= 15 pad bytes) rather than one vector copy; the route-map
+contract of ``row_transfer`` (distinct rows for distinct kept routes, indices inside
+[0, M) x [0, C); not checked on device, that would need a host sync); peer buffers 16-byte
+aligned and contiguous with rows of exactly ``packed_row_bytes(H)`` bytes (any dtype whose
+byte view is that, e.g. float32 [C, P/4] words).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.kernels.row_transfer import _check_common, _check_runnable, _require
+from megatron_ext.moe.mxfp8 import check_input_rows, packed_row_bytes
+
+try:
+    import triton
+    import triton.language as tl
+
+    from megatron_ext.kernels import mxfp8_quant
+    from megatron_ext.kernels.mxfp8_quant import mxfp8_quantize_tile
+    from megatron_ext.kernels.row_transfer import _peer_row
+except ImportError:  # CPU-only torch without Triton: quantize_rows + pack_rows + a torch transport
+    triton = None
+
+MAX_BLOCKS_PER_PROGRAM = 64  # 64 blocks x 32 values: a whole H = 2048 row per step
+NUM_WARPS = 4
+
+if triton is not None:
+
+    @triton.jit
+    def _put_rows_mxfp8_kernel(bits_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr,
+                               H: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr,
+                               INPUT_BF16: tl.constexpr, NATIVE_FP8_CAST: tl.constexpr,
+                               BLOCKS: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        N_BLOCKS: tl.constexpr = H // 32
+        PAD: tl.constexpr = ROW_BYTES - H - N_BLOCKS  # 0..15 bytes
+        lane = tl.arange(0, 32)
+        for b0 in range(0, N_BLOCKS, BLOCKS):
+            block = b0 + tl.arange(0, BLOCKS)
+            valid = block < N_BLOCKS
+            column = block[:, None] * 32 + lane[None, :]
+            raw = tl.load(bits_ptr + token * H + column, mask=valid[:, None], other=0)
+            if INPUT_BF16:
+                bits = (raw.to(tl.int32) & 0xFFFF) << 16  # exact bf16 -> fp32 widening
+            else:
+                bits = raw
+            code, scale = mxfp8_quantize_tile(bits, NATIVE_FP8_CAST)
+            code, scale = code.to(tl.uint8), scale.to(tl.uint8)
+            for k in tl.static_range(K):  # unrolled: the K row addresses are independent
+                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, token * K + k, ROW_BYTES,
+                                      tl.uint8)
+                tl.store(dst + column, code, mask=valid[:, None] & kept)
+                tl.store(dst + H + block, scale, mask=valid & kept)
+        if PAD > 0:
+            pad = tl.arange(0, 16)
+            for k in tl.static_range(K):
+                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, token * K + k, ROW_BYTES,
+                                      tl.uint8)
+                tl.store(dst + H + N_BLOCKS + pad, tl.zeros([16], dtype=tl.uint8), mask=(pad < PAD) & kept)
+
+
+def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
+                   *, blocks_per_program: int | None = None, num_warps: int | None = None) -> None:
+    """Quantize src [T, H] (bf16/fp32, H % 32 == 0) to MXFP8 and store each packed row
+    (``packed_row_bytes(H)`` bytes) into peer dest_rank[t, k]'s buffer row dest_row[t, k] for every
+    kept route; dropped routes (-1) write nothing. Bytes equal ``pack_rows(quantize_rows(src))``."""
+    op = "put_rows_mxfp8"
+    T, K, H = _check_common(op, src, dest_rank, dest_row, peer_table)
+    try:
+        n_blocks = check_input_rows(src)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{op}: {err}") from None
+    _check_runnable(op, src)
+    if T == 0 or K == 0:
+        return
+    if blocks_per_program is None:
+        blocks_per_program = min(triton.next_power_of_2(n_blocks), MAX_BLOCKS_PER_PROGRAM)
+    _require(blocks_per_program > 0 and blocks_per_program & (blocks_per_program - 1) == 0,
+             f"{op}: blocks_per_program must be a power of two, got {blocks_per_program}")
+    bits = src.view(torch.int16) if src.dtype == torch.bfloat16 else src.view(torch.int32)
+    _put_rows_mxfp8_kernel[(T,)](
+        bits, dest_rank, dest_row, peer_table, H, K, packed_row_bytes(H),
+        INPUT_BF16=src.dtype == torch.bfloat16,
+        NATIVE_FP8_CAST=src.is_cuda and mxfp8_quant.NATIVE_FP8_CAST_ON_GPU,
+        BLOCKS=blocks_per_program, num_warps=NUM_WARPS if num_warps is None else num_warps,
+    )
+

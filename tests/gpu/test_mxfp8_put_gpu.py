@@ -1,0 +1,133 @@
+"""Fused MXFP8 quantize + PUT on CUDA: four local uint8 buffers standing in for peers, byte for
+byte against the torch reference quantizer + pack (tied to the OCP spec reference on CPU by
+tests/gpu/test_mxfp8_gpu.py and tests/unit/test_mxfp8.py), untargeted rows untouched, the symm
+transport equal to the torch one, and the kernel capturable in a CUDA graph (no host sync)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ext.kernels import mxfp8_quant
+from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
+from megatron_ext.kernels.row_transfer import peer_table_from_buffers
+from megatron_ext.moe import mxfp8
+from tests.unit._mxfp8_put_interp import SENTINEL, expected_buffers, single_rank_route
+from tests.unit._row_transfer_interp import random_routes
+from tests.unit.mxfp8_spec_reference import make_spec_inputs
+
+pytestmark = pytest.mark.gpu
+
+T, H, K, M = 8192, 2048, 8, 4
+C = (5 * T * K) // (4 * M)  # capacity factor 1.25 per destination
+
+
+def tokens(n: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Rows spread over 2^-60..2^60, saturating outliers, zero blocks, fp32-subnormal rows, NaN/Inf blocks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, hidden, device="cuda", generator=g)
+    x *= torch.exp2(torch.randint(-60, 60, (n, 1), device="cuda", generator=g).float())
+    x[:, ::97] *= 300.0
+    x[1::50, 32:64] = 0.0
+    x[2::50, 64:96] = -0.0
+    x[3::50] *= 2.0**-100  # subnormal in fp32 after the row scale for many rows
+    x[4::100, 7] = float("nan")
+    x[5::100, 300] = float("inf")
+    return x.to(dtype)
+
+
+def _put(src, dest_rank, dest_row):
+    bufs = [torch.full((C, mxfp8.packed_row_bytes(src.shape[1])), SENTINEL, dtype=torch.uint8, device="cuda")
+            for _ in range(M)]
+    put_rows_mxfp8(src, dest_rank, dest_row, peer_table_from_buffers(bufs))
+    return bufs
+
+
+@pytest.mark.parametrize("native_cast", [True, False], ids=["native_cast", "integer_cast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_put_bit_identical_8192x2048_k8_m4(dtype, native_cast, monkeypatch):
+    monkeypatch.setattr(mxfp8_quant, "NATIVE_FP8_CAST_ON_GPU", native_cast)
+    dest_rank, dest_row = random_routes(T, K, M, C, drop=0.1, seed=1, device="cuda")
+    src = tokens(T, H, dtype)
+    got = _put(src, dest_rank, dest_row)
+    want = expected_buffers(src, dest_rank, dest_row, M, C)  # sentinel + pack_rows(quantize_rows(src))
+    assert (dest_row < 0).any() and any((w == SENTINEL).all(1).any() for w in want), "no dropped routes / tails"
+    for m in range(M):
+        differ = (got[m] != want[m]).any(1)
+        assert not differ.any(), f"rank {m}: {int(differ.sum())} rows differ, first {differ.nonzero()[:8].flatten()}"
+
+
+@pytest.mark.parametrize("name", sorted(make_spec_inputs()))
+def test_fused_put_spec_inputs(name):
+    x = make_spec_inputs()[name].cuda()
+    dest_rank, dest_row = random_routes(x.shape[0], 3, M, C, drop=0.2, seed=2, device="cuda")
+    got = _put(x, dest_rank, dest_row)
+    want = expected_buffers(x, dest_rank, dest_row, M, C)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_symm_dispatch_quantized_matches_torch_transport():
+    from megatron_ext.moe.transport.symm import SymmRowTransport
+    from megatron_ext.moe.transport.torch_ref import TorchRowTransport
+
+    capacity = 8000  # > the ~6550 kept routes: a tail no route writes
+    dest_rank, dest_row = random_routes(1024, K, 1, capacity, drop=0.2, seed=3, device="cuda")
+    route = single_rank_route(dest_rank, dest_row, capacity)
+    x = tokens(1024, H, torch.bfloat16, seed=3)
+    symm = SymmRowTransport(None, capacity, poison=True)
+    got, lease = symm.dispatch_quantized(x, route)
+    want, _ = TorchRowTransport(None, capacity).dispatch_quantized(x, route)
+    written = route.row_source >= 0
+    assert got.dtype == torch.uint8 and got.shape == want.shape and not written.all()
+    assert torch.equal(got[written], want[written])
+    assert got[~written].view(torch.float32).isnan().all()
+    symm.release(lease)
+
+
+def test_fused_put_captures_in_cuda_graph():
+    dest_rank, dest_row = random_routes(512, K, M, 1400, drop=0.1, seed=4, device="cuda")
+    src = tokens(512, H, torch.bfloat16, seed=4)
+    bufs = [torch.full((1400, mxfp8.packed_row_bytes(H)), SENTINEL, dtype=torch.uint8, device="cuda")
+            for _ in range(M)]
+    table = peer_table_from_buffers(bufs)
+    put_rows_mxfp8(src, dest_rank, dest_row, table)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        put_rows_mxfp8(src, dest_rank, dest_row, table)
+    src.copy_(tokens(512, H, torch.bfloat16, seed=5))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = expected_buffers(src, dest_rank, dest_row, M, 1400)
+    assert all(torch.equal(b, w) for b, w in zip(bufs, want))
+
+
+def test_report_fused_put_time(capsys):
+    """Not a pass/fail bound: device microseconds (CUDA-graph replay) of the fused kernel against
+    quantize-then-PUT (packed staging tensor) and the BF16 PUT, at T=8192 H=2048 K=8 M=4."""
+    import triton.testing
+
+    from megatron_ext.kernels.row_transfer import put_rows
+
+    dest_rank, dest_row = random_routes(T, K, M, C, drop=0.1, seed=1, device="cuda")
+    src = tokens(T, H, torch.bfloat16)
+    src[~src.isfinite()] = 0
+    width = mxfp8.packed_row_bytes(H)
+    packed_bufs = [torch.empty(C, width // 4, device="cuda") for _ in range(M)]
+    bf16_bufs = [torch.empty(C, H, dtype=torch.bfloat16, device="cuda") for _ in range(M)]
+    packed_table, bf16_table = peer_table_from_buffers(packed_bufs), peer_table_from_buffers(bf16_bufs)
+    staging = torch.empty(T, width, dtype=torch.uint8, device="cuda")
+
+    def unfused():
+        mxfp8_quant.quantize_rows_packed_triton(src, out=staging)
+        put_rows(staging.view(torch.float32), dest_rank, dest_row, packed_table)
+
+    kept = int((dest_row >= 0).sum())
+    moved = {"fused mxfp8": T * H * 2 + kept * width, "quantize+put mxfp8": T * H * 2 + 2 * T * width + kept * width,
+             "put bf16": T * H * 2 + kept * H * 2}
+    for name, fn in [("fused mxfp8", lambda: put_rows_mxfp8(src, dest_rank, dest_row, packed_table)),
+                     ("quantize+put mxfp8", unfused),
+                     ("put bf16", lambda: put_rows(src, dest_rank, dest_row, bf16_table))]:
+        us = triton.testing.do_bench_cudagraph(fn, rep=50) * 1000
+        with capsys.disabled():
+            print(f"\n{name} T={T} H={H} K={K} M={M} ({kept} kept routes): {us:.1f} us, "
+                  f"{moved[name] / us / 1e3:.0f} GB/s effective")

@@ -1,0 +1,86 @@
+"""Fused MXFP8 quantize + PUT: the kernel byte for byte against pack_rows(quantize_rows(x)) under
+Triton's interpreter (in a subprocess), its argument checks, and the torch transport's
+dispatch_quantized on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
+from megatron_ext.moe import mxfp8
+from megatron_ext.moe.transport.torch_ref import TorchRowTransport
+from tests.unit._mxfp8_put_interp import single_rank_route
+from tests.unit._row_transfer_interp import random_routes
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_fused_put_bit_exact_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_mxfp8_put_interp.py")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    print(proc.stdout)
+    assert proc.returncode == 0, f"interpreter run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert " 0 mismatches" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("rank_int64", TypeError, "dest_rank must be int32"),
+    ("row_shape", ValueError, "dest_row must be"),
+    ("table_int32", TypeError, "peer_table must be int64"),
+    ("src_noncontig", ValueError, "rows is not contiguous"),
+    ("hidden_48", ValueError, "multiple of 32"),
+    ("fp16", TypeError, "bfloat16 or float32"),
+    ("table_device", ValueError, "keep all on one device"),
+    ("cpu", ValueError, "need CUDA tensors"),
+])
+def test_put_rows_mxfp8_rejects_bad_arguments(case, error, match):
+    src = torch.zeros(3, 64)
+    dest_rank = dest_row = torch.zeros(3, 2, dtype=torch.int32)
+    table = torch.zeros(2, dtype=torch.int64)
+    if case == "rank_int64":
+        dest_rank = dest_rank.long()
+    elif case == "row_shape":
+        dest_row = torch.zeros(4, 2, dtype=torch.int32)
+    elif case == "table_int32":
+        table = table.int()
+    elif case == "src_noncontig":
+        src = torch.zeros(64, 3).t()
+    elif case == "hidden_48":
+        src = torch.zeros(3, 48)
+    elif case == "fp16":
+        src = src.half()
+    elif case == "table_device":
+        table = torch.zeros(2, dtype=torch.int64, device="meta")
+    if case == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter accepts CPU tensors")
+    with pytest.raises(error, match=match):
+        put_rows_mxfp8(src, dest_rank, dest_row, table)
+
+
+@pytest.mark.parametrize("dtype, hidden, poison", [(torch.bfloat16, 96, False), (torch.float32, 64, True)])
+def test_torch_transport_dispatch_quantized(dtype, hidden, poison):
+    """One rank: every written row is its token's packed reference row, the tail is 0 (NaN words
+    with poison_tail), and the buffer is uint8 [C, packed_row_bytes(H)]."""
+    T, K, C = 10, 3, 32
+    dest_rank, dest_row = random_routes(T, K, 1, C, drop=0.3, seed=hidden)
+    route = single_rank_route(dest_rank, dest_row, C)
+    tokens = (torch.randn(T, hidden) * 50).to(dtype)
+    buffer, lease = TorchRowTransport(None, C, poison_tail=poison).dispatch_quantized(tokens, route)
+    assert lease is None
+    assert buffer.dtype == torch.uint8 and buffer.shape == (C, mxfp8.packed_row_bytes(hidden))
+    packed = mxfp8.pack_rows(mxfp8.quantize_rows(tokens))
+    token = torch.arange(T)[:, None].expand(T, K)
+    kept = dest_row >= 0
+    assert torch.equal(buffer[dest_row[kept].long()], packed[token[kept]])
+    tail = buffer[route.row_source < 0]
+    assert tail.shape[0] > 0
+    if poison:
+        assert tail.view(torch.float32).isnan().all()
+    else:
+        assert not tail.any()
