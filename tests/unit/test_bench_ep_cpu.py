@@ -1,0 +1,254 @@
+"""Smoke tests of the multi-GPU tools on CPU (issue 11): they must run unchanged on the GPU host.
+
+- tools/bench_ep.py on 2 gloo ranks (torchrun, --device cpu --tiny): the Megatron and rowwise
+  torch paths are measured, the symm paths report "not available", the routes are identical
+  across paths and the outputs agree; JSON written.
+- tools/bench_transport.py on 2 gloo ranks: the torch reference transport's four transfers (the
+  symm kernels need GPUs, and the run says so).
+- tools/multigpu_check.sh: bash syntax, the dry-run plan, and its usage errors.
+- The phase accounting of bench_ep (PhaseTimer) on a toy dispatcher with a counting clock: the
+  experts' forward and backward between the dispatcher methods are never charged to them.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _torchrun(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(REPO, "tools", script), "--device", "cpu", "--tiny", *args]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _result(results_dir, name: str) -> dict:
+    files = glob.glob(os.path.join(results_dir, f"{name}_*.json"))
+    assert len(files) == 1, files
+    with open(files[0]) as handle:
+        return json.load(handle)
+
+
+def test_bench_ep_runs_on_two_cpu_ranks(tmp_path):
+    proc = _torchrun("bench_ep.py", "--results-dir", str(tmp_path), "--iters", "3", "--warmup", "1")
+    out = proc.stdout
+    assert "EP2 MoE layer, 2 ranks" in out and "disp+comb ms" in out, out
+    for path in ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch"):
+        assert any(line.startswith(path + " ") and "NOT AVAILABLE" not in line for line in out.splitlines()), out
+    for path in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_symm_graph"):
+        assert any(line.startswith(path) and "NOT AVAILABLE" in line for line in out.splitlines()), out
+    assert "dispatch+combine rowwise_torch/megatron_alltoall: ratio" in out
+    result = _result(tmp_path, "ep_layer")["result"]
+    assert result["world_size"] == 2 and result["same_routes_all_paths"] is True
+    rows = {r["path"]: r for r in result["rows"]}
+    assert set(rows) == {"megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm",
+                         "rowwise_symm_mxfp8", "rowwise_symm_graph"}
+    for path in ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch"):
+        row = rows[path]
+        assert row["layer_fwd_bwd_ms"] > 0 and row["dispatch_combine_ms"] > 0 and row["tflops_per_gpu"] > 0, row
+        phases = row["phases_ms"]
+        assert phases["token_dispatch_fwd"] > 0 and phases["token_combine_bwd"] > 0, phases
+        assert phases["dispatch_combine"] < phases["layer"], phases  # a part of the same iterations
+    # Same weights and routes on every path: outputs differ by bf16 rounding only.
+    for path in ("megatron_alltoall_gg", "rowwise_torch"):
+        assert rows[path]["out_rel_diff_vs_first_path_max_rank"] < 3e-2, rows[path]
+    assert rows["rowwise_torch"]["dropped_routes_per_step_all_ranks"] == 0
+
+
+def test_bench_transport_runs_on_two_cpu_ranks(tmp_path):
+    proc = _torchrun("bench_transport.py", "--results-dir", str(tmp_path), "--iters", "3", "--warmup", "1")
+    out = proc.stdout
+    assert "row transfers over 2 ranks (cpu)" in out and "torch reference transport" in out, out
+    assert "not evaluated (no symm kernel rows on this device)" in out, out
+    result = _result(tmp_path, "transport")["result"]
+    rows = result["rows"]
+    transfers = ("dispatch", "dispatch, mxfp8", "combine", "combine_backward", "dispatch_backward")
+    assert {(r["tokens"], r["transfer"]) for r in rows} == {(t, name) for t in (64, 128) for name in transfers}
+    mxfp8 = [r for r in rows if r["transfer"] == "dispatch, mxfp8"]
+    assert all(r["row_bytes"] == 80 for r in mxfp8), mxfp8  # 64 + 64/32 bytes, padded to 16
+    for row in rows:
+        assert row["transport"] == "torch phase" and row["ms_median"] > 0 and row["gbps_per_gpu_median"] > 0, row
+        assert 0.3 < row["remote_fraction"] < 0.7, row  # 2 ranks, balanced routes: about half cross
+    assert result["dispatch_target"] is None and result["notes"], result
+
+
+SCRIPT = os.path.join(REPO, "tools", "multigpu_check.sh")
+
+
+def test_multigpu_check_script_syntax_and_plan():
+    subprocess.run(["bash", "-n", SCRIPT], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    plan = subprocess.run(["bash", SCRIPT, "--dry-run", "8"], capture_output=True, text=True, env=env, timeout=30)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    out = plan.stdout
+    assert "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1" in out
+    for expected in ("pytest -q -rs -p no:cacheprovider tests/gpu/test_rowwise_multigpu.py",
+                     "pytest -q -rs -p no:cacheprovider tests/gpu/test_ddp_megatron_gpu.py",
+                     "--nproc-per-node 8 tools/bench_transport.py",
+                     "--nproc-per-node 8 tools/bench_ep.py"):
+        assert expected in out, out
+    assert "=== multigpu_check summary (8 GPUs)" in out
+    two = subprocess.run(["bash", SCRIPT, "--dry-run", "--steps", "ep,functional", "2"], capture_output=True,
+                         text=True, env=env, timeout=30)
+    assert two.returncode == 0 and "--nproc-per-node 2 tools/bench_ep.py" in two.stdout, two.stdout
+    assert "needs 8 GPUs, this run uses 2" in two.stdout or "does not exist" in two.stdout, two.stdout
+    for bad in (["--steps", "nope", "2"], ["3"], ["--frobnicate"]):
+        wrong = subprocess.run(["bash", SCRIPT, "--dry-run", *bad], capture_output=True, text=True, env=env,
+                               timeout=30)
+        assert wrong.returncode == 2, (bad, wrong.stdout, wrong.stderr)
+
+
+# ----------------------------------------------------------------------------- phase accounting
+class CountingClock:
+    """Integer timestamps: every stamp is one tick; `advance` stands for device work."""
+
+    cuda = False
+
+    def __init__(self):
+        self.now = 0
+
+    def stamp(self):
+        self.now += 1
+        return self.now
+
+    def advance(self, ticks: int) -> None:
+        self.now += ticks
+
+    def ms(self, start, end) -> float:
+        return float(end - start)
+
+    def synchronize(self) -> None:
+        pass
+
+
+EXPERT_TICKS = 1000
+
+
+class _SlowExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, probs, clock):
+        ctx.clock = clock
+        ctx.save_for_backward(rows, probs)
+        clock.advance(EXPERT_TICKS)
+        return rows * probs[:, None]
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, probs = ctx.saved_tensors
+        ctx.clock.advance(EXPERT_TICKS)
+        return grad * probs[:, None], (grad * rows).sum(1), None
+
+
+class ToyDispatcher:
+    """The six methods in Megatron's call order, with the same tensor flow as the rowwise path
+    (probs kept on the dispatcher between dispatch and combine)."""
+
+    def dispatch_preprocess(self, hidden, routing_map, probs):
+        return hidden * 2, probs.gather(1, routing_map.long().argmax(1, keepdim=True)).squeeze(1)
+
+    def token_dispatch(self, hidden, probs):
+        return hidden + 1, probs
+
+    def dispatch_postprocess(self, hidden, probs):
+        self.probs = probs
+        return hidden, torch.tensor([hidden.shape[0]]), None
+
+    def combine_preprocess(self, hidden):
+        return hidden
+
+    def token_combine(self, hidden):
+        return hidden * self.probs[:, None]
+
+    def combine_postprocess(self, hidden):
+        return hidden.view(-1, 1, hidden.shape[-1])
+
+
+def _toy_step(dispatcher, clock, x, router):
+    probs = torch.softmax(x @ router, dim=1)
+    routing_map = probs > probs.mean(1, keepdim=True)
+    hidden, p = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    hidden, p = dispatcher.token_dispatch(hidden, p)
+    hidden, _, _ = dispatcher.dispatch_postprocess(hidden, p)
+    out = _SlowExperts.apply(hidden, dispatcher.probs.detach() + 1, clock)
+    out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(out)))
+    out.sum().backward()
+
+
+def test_phase_timer_charges_only_the_dispatcher_methods():
+    from tools.bench_ep import COMBINE_METHODS, DISPATCH_METHODS, PhaseTimer
+
+    clock, dispatcher = CountingClock(), ToyDispatcher()
+    x = torch.randn(16, 8, requires_grad=True)
+    router = torch.randn(8, 4, requires_grad=True)
+    timer = PhaseTimer(dispatcher, clock)
+    for _ in range(3):
+        timer.time_step(lambda: _toy_step(dispatcher, clock, x, router))
+    rows = timer.per_iteration()
+    timer.uninstall()
+    assert all(name not in vars(dispatcher) for name in DISPATCH_METHODS + COMBINE_METHODS)
+    assert len(rows) == 3
+    for row in rows:
+        for name in DISPATCH_METHODS + COMBINE_METHODS:
+            assert row[f"{name}_fwd"] == 1.0, row  # entry and exit stamps are adjacent
+        # Gradients pass every differentiable method; the experts' 2 x 1000 ticks never count.
+        for name in ("dispatch_preprocess", "token_dispatch", "token_combine", "combine_postprocess"):
+            assert 0 < row[f"{name}_bwd"] < EXPERT_TICKS, (name, row)
+        assert row["dispatch_combine"] < EXPERT_TICKS < 2 * EXPERT_TICKS < row["layer"], row
+        assert row["dispatch_combine"] == pytest.approx(sum(row[f"{p}_{leg}"] for p in ("dispatch", "combine")
+                                                            for leg in ("fwd", "bwd")))
+
+
+@pytest.mark.parametrize("marks,expected", [
+    ([("start", 10), ("end", 14)], 4),
+    # a second input's gradient produced by the same backward node adds nothing
+    ([("start", 10), ("end", 14), ("end", 15)], 4),
+    # an input gradient that arrives with nothing open (the probs a dispatcher keeps for combine)
+    ([("end", 3), ("start", 10), ("end", 12)], 2),
+    # two chains at different times (probs early, tokens after the experts): the gap is not charged
+    ([("start", 0), ("end", 1), ("start", 1000), ("end", 1003)], 4),
+    # two outputs whose gradients are inside together: one stretch
+    ([("start", 0), ("start", 2), ("end", 5), ("end", 9)], 9),
+    ([], 0),
+])
+def test_backward_stretches(marks, expected):
+    from tools.bench_ep import PhaseTimer
+
+    timer = PhaseTimer.__new__(PhaseTimer)
+    timer.clock = CountingClock()
+    assert timer._backward_ms(marks) == expected
+
+
+def test_summary_ratio_and_route_check():
+    from tools.bench_ep import dispatch_combine_ratios, same_routes, summarize
+
+    def rank(path, layer, phases, digest):
+        return {"path": path, "routing_digest": digest, "layer_ms": layer, "memory": None,
+                "blocking_cuda_calls": 0, "out_rel_diff_vs_first_path": None,
+                "phases": [{"dispatch_combine": p} for p in phases]}
+
+    megatron = summarize([rank("megatron_alltoall", [10, 12], [6, 6], "a"),
+                          rank("megatron_alltoall", [11, 11], [6, 8], "b")], flops=int(1e12))
+    symm = summarize([rank("rowwise_symm", [5, 5], [3, 3], "a"), rank("rowwise_symm", [5, 6], [3, 4], "b")],
+                     flops=int(1e12))
+    missing = summarize([{"path": "rowwise_symm_mxfp8", "unavailable": "not available: x"}] * 2, flops=1)
+    assert megatron["layer_fwd_bwd_ms"] == 11 and megatron["layer_fwd_bwd_ms_slowest_rank"] == 11
+    assert megatron["dispatch_combine_ms"] == 6 and symm["dispatch_combine_ms"] == 3
+    assert megatron["tflops_per_gpu"] == pytest.approx(1e12 / 11 / 1e9)
+    assert missing == {"path": "rowwise_symm_mxfp8", "unavailable": "not available: x"}
+    ratios = dispatch_combine_ratios([megatron, symm, missing])
+    assert ratios == {"rowwise_symm/megatron_alltoall": {"ratio": 0.5, "shorter_by": 0.5}}
+    assert same_routes([megatron, symm, missing]) is True
+    symm["routing_digests"] = ["a", "c"]
+    assert same_routes([megatron, symm]) is False
