@@ -83,6 +83,13 @@ def check_megatron_hook_points() -> None:
     if list(inspect.signature(spec_utils.import_module).parameters) != ["module_path"]:
         problems.append(f"megatron.core.transformer.spec_utils.import_module"
                         f"{inspect.signature(spec_utils.import_module)} (expected (module_path))")
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import initialize
+
+    if not callable(getattr(dataset_utils, "compile_helpers", None)) or \
+            "compile_helpers" not in inspect.getsource(initialize):
+        problems.append("megatron.training.initialize no longer builds the dataset helpers with "
+                        "megatron.core.datasets.utils.compile_helpers")
     build_source = inspect.getsource(GPTModelBuilder.build_model)
     if "transformer_layer_spec(self._model_config, vp_stage=vp_stage)" not in build_source:
         problems.append("GPTModelBuilder.build_model no longer calls a callable spec as "
@@ -173,6 +180,7 @@ def install() -> callable:
     from megatron.training import arguments
 
     check_megatron_hook_points()
+    use_prebuilt_dataset_helpers()
     original = arguments.parse_args
     if getattr(original, "_megatron_ext_hook", False):
         return original._megatron_ext_uninstall
@@ -191,6 +199,25 @@ def install() -> callable:
     parse_args._megatron_ext_uninstall = uninstall
     arguments.parse_args = parse_args
     return uninstall
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """Skip Megatron's `make` of the C++ dataset helpers when the wheel already ships them.
+
+    megatron.training.initialize (0.19.2) runs `make -C megatron/core/datasets` on rank 0 and exits
+    when it fails; the megatron-core wheel has the compiled helpers_cpp module but no Makefile.
+    """
+    import importlib.util
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return  # a source checkout: let Megatron build them
+
+    def compile_helpers():
+        _print_rank_0("megatron_ext: using the prebuilt dataset helpers shipped in the megatron-core wheel")
+
+    dataset_utils.compile_helpers = compile_helpers
 
 
 def run_script(script: str, script_args: list[str]) -> None:

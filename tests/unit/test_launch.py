@@ -160,3 +160,21 @@ def test_launcher_usage_without_a_script():
     with pytest.raises(SystemExit) as exit_info:
         launch.main([])
     assert exit_info.value.code == 2
+
+
+def test_prebuilt_dataset_helpers_skip_the_make_step():
+    """The wheel has helpers_cpp but no Makefile: Megatron's make would fail and exit training."""
+    import importlib.util
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    from megatron_ext.launch import use_prebuilt_dataset_helpers
+
+    assert importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+    original = dataset_utils.compile_helpers
+    try:
+        use_prebuilt_dataset_helpers()
+        assert dataset_utils.compile_helpers is not original
+        dataset_utils.compile_helpers()  # must not run make (which would sys.exit here)
+    finally:
+        dataset_utils.compile_helpers = original
