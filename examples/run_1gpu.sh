@@ -18,7 +18,7 @@ MODEL=(
   --seq-length 1024 --max-position-embeddings 1024
   --swiglu --disable-bias-linear --normalization RMSNorm --position-embedding-type rope
   --untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0
-  --transformer-impl local --no-masked-softmax-fusion --no-rope-fusion --no-gradient-accumulation-fusion
+  --transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion --no-rope-fusion --no-gradient-accumulation-fusion
 )
 MOE=(
   --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 2048

@@ -19,7 +19,7 @@ MODEL=(
   --seq-length 2048 --max-position-embeddings 2048
   --swiglu --disable-bias-linear --normalization RMSNorm --position-embedding-type rope
   --untie-embeddings-and-output-weights --hidden-dropout 0.0 --attention-dropout 0.0
-  --transformer-impl local --no-masked-softmax-fusion --no-rope-fusion --no-gradient-accumulation-fusion
+  --transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion --no-rope-fusion --no-gradient-accumulation-fusion
 )
 FOLDING=(
   --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 1

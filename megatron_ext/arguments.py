@@ -15,6 +15,8 @@ Written against megatron-core 0.19.2 (the names of Megatron's own flags and `arg
 
 from __future__ import annotations
 
+import importlib.util
+
 import argparse
 import dataclasses
 import re
@@ -257,6 +259,10 @@ def _expert_conflicts(args) -> list[str]:
     if args.num_experts % ep:
         problems.append(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
                         f"{ep}: every expert-parallel rank holds the same number of experts")
+    if getattr(args, "transformer_impl", None) == "local" and not getattr(args, "no_persist_layer_norm", True) \
+            and importlib.util.find_spec("apex") is None:
+        problems.append("--transformer-impl local without Apex needs --no-persist-layer-norm: Megatron's torch "
+                        "norm (WrappedTorchNorm) refuses persist_layer_norm, which is on by default")
     topk = getattr(args, "moe_router_topk", None)
     if topk is not None and topk > args.num_experts:
         problems.append(f"--moe-router-topk {topk} exceeds --num-experts {args.num_experts}")

@@ -101,6 +101,7 @@ def _parse(parser, argv):
     (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-transport", "symm"],
      ["--moe-ext-transport symm", "--moe-ext-dispatcher"]),
     (MOE_MODEL + ["--moe-router-topk", "9"], ["--moe-router-topk 9", "--num-experts 8"]),
+    (MOE_MODEL + ["--transformer-impl", "local"], ["--transformer-impl local", "--no-persist-layer-norm"]),
 ])
 def test_wrong_combinations_name_both_flags(megatron_parser, argv, flags):
     with pytest.raises(MoEExtArgumentError) as error:
