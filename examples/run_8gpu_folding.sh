@@ -39,7 +39,7 @@ TRAINING=(
   --micro-batch-size 2 --global-batch-size 32 --train-iters 100 --bf16
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --init-method-std 0.02 --seed 1234
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --eval-iters 0
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --eval-iters 0 --eval-interval 1000
   --log-interval 1 --log-num-zeros-in-grad
 )
 COMMAND=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 8
