@@ -135,6 +135,29 @@ class RoutingMetricsLogger:
 log_routing_metrics = RoutingMetricsLogger()
 
 
+class ReplicaChecker:
+    """Every --moe-ext-replica-check-interval iterations, check that replicas agree (collective:
+    every rank runs it at the first microbatch of the same iterations)."""
+
+    def __init__(self):
+        self.last_iteration = None
+
+    def __call__(self, model, interval: int) -> None:
+        from megatron.training import get_args
+
+        from megatron_ext.ddp.buckets import groups_from_parallel_state
+        from megatron_ext.ddp.replica_check import maybe_check_replicas
+
+        iteration = getattr(get_args(), "curr_iteration", 0)
+        if not interval or iteration == self.last_iteration:
+            return
+        self.last_iteration = iteration
+        maybe_check_replicas(iteration, interval, model, groups_from_parallel_state())
+
+
+check_replicas_every = ReplicaChecker()
+
+
 def forward_step(data_iterator, model):
     """Megatron's forward_step contract: (output tensor, loss function of it)."""
     from megatron.core.utils import get_attr_wrapped_model
@@ -142,6 +165,7 @@ def forward_step(data_iterator, model):
 
     args = get_args()
     log_routing_metrics(model, args.moe_ext_metrics_interval)
+    check_replicas_every(model, args.moe_ext_replica_check_interval)
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(

@@ -82,6 +82,10 @@ FLAGS: tuple[ExtFlag, ...] = (
     ExtFlag("metrics_interval", "--moe-ext-metrics-interval", "value", type=int, metavar="N",
             help="Read routing metrics (dropped routes, capacity fill, routes per expert) on the host "
                  "every N steps; reading synchronizes, so 0 (never) is the default."),
+    ExtFlag("replica_check_interval", "--moe-ext-replica-check-interval", "value", type=int, metavar="N",
+            help="Every N steps compare parameter checksums across each replica group (dense over "
+                 "DP x CP, experts over expert-data-parallel) and stop naming the first parameter that "
+                 "disagrees; synchronizes, so 0 (never) is the default."),
     ExtFlag("debug_poison", "--moe-ext-debug-poison", "on",
             help="Debug: fill capacity tails and released buffers with NaN so stale reads show up."),
     ExtFlag("debug_checks", "--moe-ext-debug-checks", "on",

@@ -30,6 +30,9 @@ class MoEExtConfig:
     cuda_graphs: capture the whole MoE layer (forward and backward) in CUDA graphs.
     ddp_buckets: use megatron_ext's multi-group gradient buckets.
     metrics_interval: read routing metrics on the host every N steps (0: never).
+    replica_check_interval: every N steps compare parameter checksums across each replica group
+        (dense over DP x CP, experts over EP_DP) and name the first parameter that disagrees
+        (0: never; the check synchronizes with the host).
     debug_poison: fill capacity tails and released buffers with NaN so stale reads show.
     debug_checks: extra validation that synchronizes with the host (debug only).
     lease_slots: dispatch-buffer slots per layer (live microbatches per layer; symm transport).
@@ -46,6 +49,7 @@ class MoEExtConfig:
     cuda_graphs: bool = False
     ddp_buckets: bool = False
     metrics_interval: int = 0
+    replica_check_interval: int = 0
     debug_poison: bool = False
     debug_checks: bool = False
     lease_slots: int = 1
@@ -63,6 +67,8 @@ class MoEExtConfig:
             raise ValueError(f"max_tokens_per_rank must be >= 1 (or None), got {self.max_tokens_per_rank}")
         if self.metrics_interval < 0:
             raise ValueError(f"metrics_interval must be >= 0, got {self.metrics_interval}")
+        if self.replica_check_interval < 0:
+            raise ValueError(f"replica_check_interval must be >= 0, got {self.replica_check_interval}")
         if self.lease_slots < 1:
             raise ValueError(f"lease_slots must be >= 1, got {self.lease_slots}")
         if self.dispatcher == "megatron" and self.mxfp8_dispatch:

@@ -10,6 +10,7 @@ reference computes in one process over all ranks' tokens with the dense oracle.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -267,3 +268,13 @@ def _megatron_group_swap_rank(rank, world):
 def test_megatron_hook_controls_the_expert_reduction_group():
     for wrong, right in run_on_ranks(_megatron_group_swap_rank, 4, sizes=ParallelSizes(ep=2)):
         assert wrong > 1e-3 and right < 1e-6, (wrong, right)
+
+
+def test_replica_check_interval_is_a_setting():
+    from megatron_ext.arguments import FLAGS
+    from megatron_ext.config import MoEExtConfig
+
+    assert MoEExtConfig(replica_check_interval=5).replica_check_interval == 5
+    assert any(flag.flag == "--moe-ext-replica-check-interval" for flag in FLAGS)
+    with pytest.raises(ValueError, match="replica_check_interval"):
+        MoEExtConfig(replica_check_interval=-1)
