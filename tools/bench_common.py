@@ -82,6 +82,22 @@ def peak_memory(fn: Callable[[], object]) -> dict | None:
     return {"peak_bytes": peak, "peak_above_baseline_bytes": peak - before}
 
 
+def make_step(layer, x, grad_out):
+    """One forward+backward of `layer` on its own copy of `x` (requires grad); parameter and input
+    grads are reset to None first, so that a step does the layer's own work only."""
+    params = list(layer.parameters())
+    x = x.clone().requires_grad_(True)
+
+    def step():
+        x.grad = None
+        for param in params:  # the layer's own work only: no gradient accumulation adds
+            param.grad = None
+        out, _ = layer(x)
+        out.backward(grad_out)
+        return out
+    return step
+
+
 def profile_kernels(fn: Callable[[], object], iters: int = 3, top: int = 10) -> dict:
     """What one iteration of `fn` ran: the top `top` device kernels by time, the top host ops
     by self CPU time, and the host synchronizations (cuda*Synchronize calls inside `fn`, each

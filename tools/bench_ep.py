@@ -56,345 +56,37 @@ rowwise symm dispatch+combine to Megatron alltoall dispatch+combine (issue 11 ta
 35% shorter).
 """
 
+# The pieces, one idea a module: tools/ep_distributed.py (ranks, gather, result), ep_paths.py (shape,
+# layers, weights, inputs), ep_phase_timing.py (clock, layer and dispatcher-phase timing),
+# ep_report.py (summary and table). This file: measuring one path on every rank, and main.
+
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
 import os
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-# NVLink multicast must stay off on the multi-GPU hosts (../shared/device/README.md); set before
-# NCCL or symmetric memory initialize, and inherited by every subprocess.
-NVLINK_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(NVLINK_SAFE_ENV)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# First: sets NVLINK_SAFE_ENV (multicast off) before torch is imported or NCCL initializes.
+# Names marked F401 stay importable from tools.bench_ep (tests/unit/test_bench_ep_cpu.py, other tools).
+from tools.ep_distributed import (NVLINK_SAFE_ENV, Ranks, finish_run, gather_to_all,  # noqa: E402,F401
+                                  init_distributed, median)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.bench_common import RESULTS_DIR, moe_model_flops, peak_memory, write_result  # noqa: E402
-
-PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_mxfp8",
-         "rowwise_symm_graph")
-DISPATCH_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess")
-COMBINE_METHODS = ("combine_preprocess", "token_combine", "combine_postprocess")
-TARGET_SHORTER = 0.35  # issue 11: rowwise symm dispatch+combine at least 35% shorter than Megatron's
-
-
-@dataclass(frozen=True)
-class Shape:
-    seq_length: int
-    sequences: int
-    experts: int
-    topk: int
-    hidden: int
-    ffn: int
-
-    @property
-    def tokens(self) -> int:
-        return self.seq_length * self.sequences
-
-
-EP8_SHAPE = Shape(seq_length=4096, sequences=4, experts=128, topk=8, hidden=4096, ffn=1536)
-TINY_SHAPE = Shape(seq_length=16, sequences=4, experts=8, topk=2, hidden=64, ffn=32)
-
-
-# ----------------------------------------------------------------------------- distributed setup
-@dataclass(frozen=True)
-class Ranks:
-    rank: int
-    world: int
-    device: torch.device
-
-
-def init_distributed(device: str, seed: int = 1234, with_megatron: bool = True) -> Ranks:
-    """Process group from torchrun's environment (nccl on GPUs, gloo on CPU) and, with
-    `with_megatron`, Megatron's parallel state with EP = world size."""
-    os.environ.update(NVLINK_SAFE_ENV)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA GPU visible; use --device cpu for a gloo smoke test")
-        torch.cuda.set_device(local_rank)
-        target = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=target, timeout=datetime.timedelta(minutes=10))
-    else:
-        if with_megatron:  # Megatron-Core's MoE layer runs on CPU after these shims
-            from megatron_ext._cpu import apply_cpu_shims
-
-            apply_cpu_shims()
-        torch.set_num_threads(1)
-        target = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    if with_megatron:
-        from megatron_ext.cpu_ranks import ParallelSizes, init_megatron_parallel
-
-        init_megatron_parallel(ParallelSizes(ep=dist.get_world_size()), seed=seed)
-    return Ranks(dist.get_rank(), dist.get_world_size(), target)
-
-
-def gather_to_all(value):
-    """Every rank's picklable `value`, in rank order (a collective: all ranks call it)."""
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(statistics.median(values)) if values else None
-
-
-class Clock:
-    """Timestamps on the compute stream (CUDA events) or, on CPU, host wall time."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def stamp(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start, end) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-    def synchronize(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-# ----------------------------------------------------------------------------- weights and inputs
-def seeded_randn(shape, seed: int, device: torch.device, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
-
-
-def expert_weights(expert: int, shape: Shape, seed: int, device, dtype):
-    """Global expert `expert`'s (fc1 [2F, H], fc2 [H, F]), Megatron's layout, from (seed, expert)."""
-    base = (seed + 1) * 1_000_003 + 2 * expert
-    fc1 = seeded_randn((2 * shape.ffn, shape.hidden), base, device, shape.hidden ** -0.5, dtype)
-    fc2 = seeded_randn((shape.hidden, shape.ffn), base + 1, device, shape.ffn ** -0.5, dtype)
-    return fc1, fc2
-
-
-@torch.no_grad()
-def load_seeded_weights(layer, shape: Shape, seed: int) -> None:
-    """Router and this rank's experts of the seeded global model, into any of the paths' layers."""
-    from tests.megatron_moe import local_expert_range
-
-    device, dtype = layer.router.weight.device, layer.router.weight.dtype
-    layer.router.weight.copy_(seeded_randn((shape.experts, shape.hidden), seed, device, shape.hidden ** -0.5, dtype))
-    for i, expert in enumerate(local_expert_range(layer)):
-        fc1, fc2 = expert_weights(expert, shape, seed, device, dtype)
-        if hasattr(layer.experts, "local_experts"):  # Megatron SequentialMLP
-            layer.experts.local_experts[i].linear_fc1.weight.copy_(fc1)
-            layer.experts.local_experts[i].linear_fc2.weight.copy_(fc2)
-        else:  # DeviceOffsetGroupedMLP: fc1 [L, 2F, H], fc2 [L, H, F]
-            layer.experts.fc1_weight[i].copy_(fc1)
-            layer.experts.fc2_weight[i].copy_(fc2)
-
-
-def rank_inputs(ranks: Ranks, shape: Shape, seed: int, dtype):
-    """This rank's tokens [seq, sequences, H] and output gradient, seeded by (seed, rank)."""
-    size = (shape.seq_length, shape.sequences, shape.hidden)
-    x = seeded_randn(size, 10_000 + seed * 1000 + 2 * ranks.rank, ranks.device, 1.0, dtype)
-    grad_out = seeded_randn(size, 10_000 + seed * 1000 + 2 * ranks.rank + 1, ranks.device, 1.0, dtype)
-    return x, grad_out
-
-
-# ----------------------------------------------------------------------------- layers
-def unavailable_reason(path: str, device: torch.device) -> str | None:
-    if device.type != "cuda" and "symm" in path:
-        return ("not available on cpu: the symm transport moves rows with Triton kernels over GPU "
-                "symmetric memory (and graphs need CUDA)")
-    return None
-
-
-def build_layer(path: str, shape: Shape, args, device: torch.device, dtype):
-    from megatron_ext.config import MoEExtConfig
-    from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
-    from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import megatron_moe_layer, moe_config
-
-    config = moe_config(hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts, topk=shape.topk,
-                        ep=dist.get_world_size(), dtype=dtype, use_cpu_initialization=device.type != "cuda",
-                        moe_router_dtype="fp32")
-    if path == "megatron_alltoall":
-        layer = megatron_moe_layer(config)
-    elif path == "megatron_alltoall_gg":
-        layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
-    else:
-        ext = MoEExtConfig(transport="torch" if path == "rowwise_torch" else "symm",
-                           capacity_factor=args.capacity_factor, dropless=args.dropless,
-                           mxfp8_dispatch=path == "rowwise_symm_mxfp8")
-        layer = moe_builder(ext)(config=config)
-    layer = layer.to(device)
-    load_seeded_weights(layer, shape, args.seed)
-    return layer
-
-
-def make_step(layer, x, grad_out):
-    params = list(layer.parameters())
-    x = x.clone().requires_grad_(True)
-
-    def step():
-        x.grad = None
-        for param in params:  # the layer's own work only: no gradient accumulation adds
-            param.grad = None
-        out, _ = layer(x)
-        out.backward(grad_out)
-        return out
-    return step
-
-
-def routing_digest(layer, step) -> str:
-    """sha1 of the router's routing map for one step (untimed; reads the device)."""
-    seen = {}
-
-    def hook(module, inputs, output):
-        seen["map"] = output[1].detach().to("cpu", copy=True)
-
-    handle = layer.router.register_forward_hook(hook)
-    try:
-        step()
-    finally:
-        handle.remove()
-    return hashlib.sha1(seen["map"].numpy().tobytes()).hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- phase timing
-class _BackwardMark(torch.autograd.Function):
-    """Identity; calls `on_backward` when the gradient passes through."""
-
-    @staticmethod
-    def forward(ctx, x, on_backward):
-        ctx.on_backward = on_backward
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.on_backward()
-        return grad, None
-
-
-class PhaseTimer:
-    """Times the token dispatcher's six methods, forward and backward, per iteration.
-
-    Installed as instance attributes over the dispatcher's methods (removed by `uninstall`), so
-    MoELayer's own calls go through it; the layer is otherwise untouched.
-    """
-
-    def __init__(self, dispatcher, clock: Clock):
-        self.dispatcher = dispatcher
-        self.clock = clock
-        self.iteration = 0
-        self.forward_log: list[tuple[int, str, object, object]] = []
-        self.backward_log: list[tuple[int, str, str, object]] = []
-        self.step_log: list[tuple[object, object]] = []  # whole fwd+bwd of each timed iteration
-        for name in DISPATCH_METHODS + COMBINE_METHODS:
-            setattr(dispatcher, name, self._wrap(name, getattr(type(dispatcher), name).__get__(dispatcher)))
-
-    def uninstall(self) -> None:
-        for name in DISPATCH_METHODS + COMBINE_METHODS:
-            if name in vars(self.dispatcher):
-                delattr(self.dispatcher, name)
-
-    def _wrap(self, name, method):
-        def timed(*args, **kwargs):
-            args = tuple(self._mark(arg, name, "end") for arg in args)
-            start = self.clock.stamp()
-            out = method(*args, **kwargs)
-            end = self.clock.stamp()
-            self.forward_log.append((self.iteration, name, start, end))
-            if isinstance(out, tuple):
-                return tuple(self._mark(item, name, "start") for item in out)
-            return self._mark(out, name, "start")
-        return timed
-
-    def _mark(self, value, name: str, kind: str):
-        """Backward of a method starts when a gradient reaches one of its outputs ("start") and
-        ends when the gradient leaves one of its inputs ("end")."""
-        if not (torch.is_tensor(value) and value.requires_grad and value.is_floating_point()):
-            return value
-        iteration = self.iteration
-
-        def record():
-            self.backward_log.append((iteration, name, kind, self.clock.stamp()))
-        return _BackwardMark.apply(value, record)
-
-    def time_step(self, step) -> None:
-        """One timed iteration: `step()` (forward+backward) with its own start and end stamps."""
-        start = self.clock.stamp()
-        step()
-        self.step_log.append((start, self.clock.stamp()))
-        self.iteration += 1
-
-    def per_iteration(self) -> list[dict[str, float]]:
-        """[{method_fwd: ms, method_bwd: ms, dispatch_fwd, ..., dispatch_combine: ms, layer: ms}]
-        per iteration; `layer` is that iteration's whole step (dispatch_combine is part of it)."""
-        self.clock.synchronize()
-        rows = []
-        for iteration in range(self.iteration):
-            row = {"layer": self.clock.ms(*self.step_log[iteration])} if iteration < len(self.step_log) else {}
-            for name in DISPATCH_METHODS + COMBINE_METHODS:
-                row[f"{name}_fwd"] = sum(self.clock.ms(s, e) for i, n, s, e in self.forward_log
-                                         if i == iteration and n == name)
-                marks = [(kind, stamp) for i, n, kind, stamp in self.backward_log if i == iteration and n == name]
-                row[f"{name}_bwd"] = self._backward_ms(marks)
-            for phase, names in (("dispatch", DISPATCH_METHODS), ("combine", COMBINE_METHODS)):
-                for leg in ("fwd", "bwd"):
-                    row[f"{phase}_{leg}"] = sum(row[f"{n}_{leg}"] for n in names)
-            row["dispatch_combine"] = sum(row[f"{p}_{leg}"] for p in ("dispatch", "combine") for leg in ("fwd", "bwd"))
-            rows.append(row)
-        return rows
-
-    def _backward_ms(self, marks) -> float:
-        """Sum of the stretches during which some gradient is inside the method: opened by the
-        first "start" mark, closed when as many "end" marks have fired (ends with nothing open,
-        e.g. a second input's gradient produced by the same node, add nothing)."""
-        total, open_at, inside = 0.0, None, 0
-        for kind, stamp in marks:
-            if kind == "start":
-                if inside == 0:
-                    open_at = stamp
-                inside += 1
-            elif inside > 0:
-                inside -= 1
-                if inside == 0:
-                    total += self.clock.ms(open_at, stamp)
-        return total
-
-
-def time_phases(layer, step, clock: Clock, iters: int) -> list[dict[str, float]]:
-    timer = PhaseTimer(layer.token_dispatcher, clock)
-    try:
-        for _ in range(iters):
-            timer.time_step(step)
-        return timer.per_iteration()
-    finally:
-        timer.uninstall()
+from tools.bench_common import RESULTS_DIR, make_step, moe_model_flops, peak_memory  # noqa: E402
+from tools.ep_paths import (EP8_SHAPE, PATHS, TINY_SHAPE, Shape, build_layer, rank_inputs,  # noqa: E402
+                            routing_digest, unavailable_reason)
+from tools.ep_phase_timing import (COMBINE_METHODS, DISPATCH_METHODS, Clock, PhaseTimer,  # noqa: E402,F401
+                                   time_layer, time_phases)
+from tools.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, print_table, same_routes,  # noqa: E402
+                             summarize)
 
 
 # ----------------------------------------------------------------------------- one path on one rank
-def time_layer(step, clock: Clock, iters: int) -> list[float]:
-    """Per-iteration ms of `step` (events recorded back to back, no sync inside the window)."""
-    stamps = []
-    for _ in range(iters):
-        start = clock.stamp()
-        step()
-        stamps.append((start, clock.stamp()))
-    clock.synchronize()
-    return [clock.ms(s, e) for s, e in stamps]
-
-
 def blocking_calls(step, device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -496,97 +188,6 @@ def run_path_guarded(path: str, shape: Shape, args, ranks: Ranks, x, grad_out, o
         return {"path": path, "error": f"{type(error).__name__}: {error}"}
 
 
-# ----------------------------------------------------------------------------- summary on rank 0
-def summarize(per_rank: list[dict], flops: int) -> dict:
-    """One path's row from every rank's measurements."""
-    first = per_rank[0]
-    for key in ("unavailable", "error"):
-        reasons = {r.get(key) for r in per_rank if r.get(key)}
-        if reasons:
-            return {"path": first["path"], key: " | ".join(sorted(reasons))}
-    row = {"path": first["path"], "ranks": len(per_rank)}
-    layer_ms = [ms for r in per_rank for ms in r["layer_ms"]]
-    row["layer_fwd_bwd_ms"] = median(layer_ms)
-    row["layer_fwd_bwd_ms_slowest_rank"] = max(median(r["layer_ms"]) for r in per_rank)
-    row["tflops_per_gpu"] = flops / row["layer_fwd_bwd_ms"] / 1e9
-    if "phases" in first:
-        keys = first["phases"][0].keys()
-        row["phases_ms"] = {k: median(it[k] for r in per_rank for it in r["phases"]) for k in keys}
-        row["dispatch_combine_ms"] = row["phases_ms"]["dispatch_combine"]
-    memories = [r["memory"] for r in per_rank if r.get("memory")]
-    if memories:
-        row["peak_above_baseline_bytes_max_rank"] = max(m["peak_above_baseline_bytes"] for m in memories)
-        row["peak_bytes_max_rank"] = max(m["peak_bytes"] for m in memories)
-    calls = [r["blocking_cuda_calls"] for r in per_rank if r.get("blocking_cuda_calls") is not None]
-    row["blocking_cuda_calls_max_rank"] = max(calls) if calls else None
-    diffs = [r["out_rel_diff_vs_first_path"] for r in per_rank if r.get("out_rel_diff_vs_first_path") is not None]
-    row["out_rel_diff_vs_first_path_max_rank"] = max(diffs) if diffs else None
-    if "dropped_routes_per_step" in first:
-        row["dropped_routes_per_step_all_ranks"] = sum(r["dropped_routes_per_step"] for r in per_rank)
-        row["mean_buffer_fill"] = median(r["mean_buffer_fill"] for r in per_rank)
-        row["capacity_rows"] = first["capacity_rows"]
-        for key in ("dispatch_row_bytes", "dispatch_buffer_bytes"):
-            if key in first:
-                row[key] = first[key]
-    row["routing_digests"] = [r["routing_digest"] for r in per_rank]
-    return row
-
-
-def dispatch_combine_ratios(rows: list[dict]) -> dict:
-    """rowwise_symm (and its MXFP8 variant) dispatch+combine over each Megatron alltoall path's."""
-    timed = {r["path"]: r["dispatch_combine_ms"] for r in rows if r.get("dispatch_combine_ms")}
-    ratios = {}
-    for rowwise in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_torch"):
-        for megatron in ("megatron_alltoall", "megatron_alltoall_gg"):
-            if rowwise in timed and megatron in timed:
-                ratio = timed[rowwise] / timed[megatron]
-                ratios[f"{rowwise}/{megatron}"] = {"ratio": ratio, "shorter_by": 1 - ratio}
-    return ratios
-
-
-def same_routes(rows: list[dict]) -> bool | None:
-    digests = [tuple(r["routing_digests"]) for r in rows if "routing_digests" in r]
-    return len(set(digests)) == 1 if digests else None
-
-
-def _fmt(value, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes_equal) -> None:
-    print(f"\nEP{world} MoE layer, {world} ranks: {shape.sequences} x {shape.seq_length} = {shape.tokens} tokens "
-          f"per rank, {shape.experts} experts, top-{shape.topk}, hidden {shape.hidden}, expert ffn {shape.ffn} "
-          f"(SwiGLU); medians over ranks and iterations; same routes on every path: {routes_equal}")
-    header = (f"{'path':22s} {'fwd+bwd ms':>10s} {'disp+comb ms':>12s} {'disp f/b ms':>13s} {'comb f/b ms':>13s} "
-              f"{'TFLOP/s':>8s} {'peak+ MiB':>9s} {'syncs':>5s} {'dropped':>8s} {'out diff':>8s} {'row B':>6s}")
-    print(header)
-    for r in rows:
-        if "unavailable" in r or "error" in r:
-            print(f"{r['path']:22s} {'NOT AVAILABLE' if 'unavailable' in r else 'ERROR'}: "
-                  f"{r.get('unavailable') or r.get('error')}")
-            continue
-        phases = r.get("phases_ms", {})
-        disp = (f"{phases['dispatch_fwd']:.2f}/{phases['dispatch_bwd']:.2f}" if phases else "-")
-        comb = (f"{phases['combine_fwd']:.2f}/{phases['combine_bwd']:.2f}" if phases else "-")
-        peak = r.get("peak_above_baseline_bytes_max_rank")
-        print(f"{r['path']:22s} {r['layer_fwd_bwd_ms']:10.2f} {_fmt(r.get('dispatch_combine_ms'), '12.2f'):>12s} "
-              f"{disp:>13s} {comb:>13s} {r['tflops_per_gpu']:8.1f} {_fmt(peak and peak / 2**20, '9.0f'):>9s} "
-              f"{_fmt(r.get('blocking_cuda_calls_max_rank'), 'd'):>5s} "
-              f"{_fmt(r.get('dropped_routes_per_step_all_ranks'), '.0f'):>8s} "
-              f"{_fmt(r.get('out_rel_diff_vs_first_path_max_rank'), '.1e'):>8s} "
-              f"{_fmt(r.get('dispatch_row_bytes'), 'd'):>6s}")
-    for name, value in ratios.items():
-        change = "shorter" if value["shorter_by"] >= 0 else "longer"
-        print(f"dispatch+combine {name}: ratio {value['ratio']:.3f} ({100 * abs(value['shorter_by']):.1f}% {change})")
-    target = ratios.get("rowwise_symm/megatron_alltoall")
-    if target:
-        met = "MET" if target["shorter_by"] >= TARGET_SHORTER else "NOT MET"
-        print(f"issue 11 target (rowwise symm dispatch+combine >= {100 * TARGET_SHORTER:.0f}% shorter than Megatron "
-              f"alltoall): {met}")
-    else:
-        print("issue 11 target: not evaluated (rowwise_symm or megatron_alltoall has no dispatch+combine time)")
-
-
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -633,6 +234,7 @@ def main(argv=None) -> int:
         if ranks.rank == 0:
             brief = {k: v for k, v in row.items() if k not in ("phases_ms", "routing_digests")}
             print(brief, flush=True)
+    payload = None  # the result JSON, written by rank 0
     if ranks.rank == 0:
         ratios = dispatch_combine_ratios(rows)
         routes_equal = same_routes(rows)
@@ -641,11 +243,7 @@ def main(argv=None) -> int:
                    "world_size": ranks.world, "ep": ranks.world, "dtype": args.dtype,
                    "model_flops_per_rank_step": flops, "same_routes_all_paths": routes_equal,
                    "dispatch_combine_ratios": ratios, "target_shorter_by": TARGET_SHORTER, "rows": rows}
-        path = write_result(args.name, payload, results_dir=args.results_dir)
-        print(f"wrote {path}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish_run(args, payload)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.bench_common import (cuda_time_ms, host_time_ms, init_single_rank_megatron, median,  # noqa: E402
-                                moe_model_flops, peak_memory, profile_kernels, write_result)
+from tools.bench_common import (cuda_time_ms, host_time_ms, init_single_rank_megatron, make_step,  # noqa: E402
+                                median, moe_model_flops, peak_memory, profile_kernels, write_result)
 
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph",
          "rowwise_symm_mxfp8")
@@ -52,19 +52,6 @@ def build(path: str, args, weights):
     layer = layer.cuda()
     load_weights(layer, weights)
     return layer
-
-
-def make_step(layer, x, grad_out):
-    params = list(layer.parameters())
-
-    def step():
-        x.grad = None
-        for param in params:  # the layer's own work only: no gradient accumulation adds
-            param.grad = None
-        out, _ = layer(x)
-        out.backward(grad_out)
-        return out
-    return step
 
 
 def dense_gemm_tflops(flops: float, hidden: int) -> float:
@@ -101,8 +88,7 @@ def measure(path, args, weights, x, grad_out, flops):
     from megatron_ext.host_sync import capture_replay, profiled_sync_calls
 
     layer = build(path, args, weights)
-    x = x.clone().requires_grad_(True)
-    step = make_step(layer, x, grad_out)
+    step = make_step(layer, x, grad_out)  # on its own copy of x that requires grad
     result = {"path": path}
     if path == "rowwise_symm_graph":
         graph, _ = capture_replay(step)

@@ -51,13 +51,14 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Importing tools.bench_ep sets its NVLINK_SAFE_ENV (multicast off) before anything initializes NCCL.
-from tools.bench_ep import Clock, Ranks, gather_to_all, init_distributed, median  # noqa: E402
+# Importing tools.ep_distributed sets its NVLINK_SAFE_ENV (multicast off) before anything initializes NCCL.
+from tools.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed, median  # noqa: E402
+from tools.ep_phase_timing import Clock  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tools.bench_common import RESULTS_DIR, write_result  # noqa: E402
+from tools.bench_common import RESULTS_DIR  # noqa: E402
 
 NVLINK_GBPS_PER_DIRECTION = 450.0
 TARGET_FRACTION = 0.60  # issue 11: dispatch bandwidth >= 60% of 450 GB/s per GPU at the largest T
@@ -348,6 +349,7 @@ def main(argv=None) -> int:
     if setup.experts % ranks.world:
         raise SystemExit(f"{setup.experts} experts cannot be split over {ranks.world} ranks")
     per_rank = gather_to_all(measure(ranks, setup, args))
+    payload = None  # the result JSON, written by rank 0
     if ranks.rank == 0:
         rows = summarize(per_rank)
         target = dispatch_target(rows)
@@ -358,11 +360,7 @@ def main(argv=None) -> int:
         payload = {"args": vars(args), "setup": vars(setup), "world_size": ranks.world, "dtype": "bf16",
                    "nvlink_gbps_per_direction": NVLINK_GBPS_PER_DIRECTION, "dispatch_target": target,
                    "notes": notes, "rows": rows}
-        path = write_result(args.name, payload, results_dir=args.results_dir)
-        print(f"wrote {path}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish_run(args, payload)
 
 
 if __name__ == "__main__":

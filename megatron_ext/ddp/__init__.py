@@ -4,6 +4,7 @@
   buckets.py        MultiGroupGradBuckets: flat buffers, backward hooks, ordered async all-reduce
   replica_check.py  check_replicas / maybe_check_replicas: parameter checksums per replica group
   megatron_hook.py  Megatron DistributedDataParallel integration (imports Megatron; not re-exported)
+  megatron_internals.py  the hook's guard: the Megatron DDP internals it relies on, checked
 """
 
 from megatron_ext.ddp.buckets import MultiGroupGradBuckets, groups_from_folding, groups_from_parallel_state

@@ -1,0 +1,78 @@
+"""Distributed setup of the EP tools (bench_ep, bench_transport): one process per GPU under torchrun,
+EP = world size, and what the ranks share (gather, median, writing the result and leaving).
+
+Importing this module turns NVLink multicast off in the environment before it imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+from dataclasses import dataclass
+
+# NVLink multicast must stay off on the multi-GPU hosts (../shared/device/README.md); set before
+# NCCL or symmetric memory initialize, and inherited by every subprocess.
+NVLINK_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NVLINK_SAFE_ENV)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tools.bench_common import write_result  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    device: torch.device
+
+
+def init_distributed(device: str, seed: int = 1234, with_megatron: bool = True) -> Ranks:
+    """Process group from torchrun's environment (nccl on GPUs, gloo on CPU) and, with
+    `with_megatron`, Megatron's parallel state with EP = world size."""
+    os.environ.update(NVLINK_SAFE_ENV)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA GPU visible; use --device cpu for a gloo smoke test")
+        torch.cuda.set_device(local_rank)
+        target = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=target, timeout=datetime.timedelta(minutes=10))
+    else:
+        if with_megatron:  # Megatron-Core's MoE layer runs on CPU after these shims
+            from megatron_ext._cpu import apply_cpu_shims
+
+            apply_cpu_shims()
+        torch.set_num_threads(1)
+        target = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    if with_megatron:
+        from megatron_ext.cpu_ranks import ParallelSizes, init_megatron_parallel
+
+        init_megatron_parallel(ParallelSizes(ep=dist.get_world_size()), seed=seed)
+    return Ranks(dist.get_rank(), dist.get_world_size(), target)
+
+
+def gather_to_all(value):
+    """Every rank's picklable `value`, in rank order (a collective: all ranks call it)."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(statistics.median(values)) if values else None
+
+
+def finish_run(args, payload: dict | None) -> int:
+    """Write `payload` (rank 0 passes it, the others None) as args.name's result JSON under
+    args.results_dir, then leave the process group on every rank together. Returns 0."""
+    if payload is not None:
+        path = write_result(args.name, payload, results_dir=args.results_dir)
+        print(f"wrote {path}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

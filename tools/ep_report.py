@@ -1,0 +1,100 @@
+"""The EP layer benchmark's summary on rank 0: one row per path from every rank's measurements, the
+rowwise/Megatron dispatch+combine ratios, the same-routes check, and the printed table.
+"""
+
+from __future__ import annotations
+
+from tools.ep_distributed import median
+from tools.ep_paths import Shape
+
+TARGET_SHORTER = 0.35  # issue 11: rowwise symm dispatch+combine at least 35% shorter than Megatron's
+
+
+def summarize(per_rank: list[dict], flops: int) -> dict:
+    """One path's row from every rank's measurements."""
+    first = per_rank[0]
+    for key in ("unavailable", "error"):
+        reasons = {r.get(key) for r in per_rank if r.get(key)}
+        if reasons:
+            return {"path": first["path"], key: " | ".join(sorted(reasons))}
+    row = {"path": first["path"], "ranks": len(per_rank)}
+    layer_ms = [ms for r in per_rank for ms in r["layer_ms"]]
+    row["layer_fwd_bwd_ms"] = median(layer_ms)
+    row["layer_fwd_bwd_ms_slowest_rank"] = max(median(r["layer_ms"]) for r in per_rank)
+    row["tflops_per_gpu"] = flops / row["layer_fwd_bwd_ms"] / 1e9
+    if "phases" in first:
+        keys = first["phases"][0].keys()
+        row["phases_ms"] = {k: median(it[k] for r in per_rank for it in r["phases"]) for k in keys}
+        row["dispatch_combine_ms"] = row["phases_ms"]["dispatch_combine"]
+    memories = [r["memory"] for r in per_rank if r.get("memory")]
+    if memories:
+        row["peak_above_baseline_bytes_max_rank"] = max(m["peak_above_baseline_bytes"] for m in memories)
+        row["peak_bytes_max_rank"] = max(m["peak_bytes"] for m in memories)
+    calls = [r["blocking_cuda_calls"] for r in per_rank if r.get("blocking_cuda_calls") is not None]
+    row["blocking_cuda_calls_max_rank"] = max(calls) if calls else None
+    diffs = [r["out_rel_diff_vs_first_path"] for r in per_rank if r.get("out_rel_diff_vs_first_path") is not None]
+    row["out_rel_diff_vs_first_path_max_rank"] = max(diffs) if diffs else None
+    if "dropped_routes_per_step" in first:
+        row["dropped_routes_per_step_all_ranks"] = sum(r["dropped_routes_per_step"] for r in per_rank)
+        row["mean_buffer_fill"] = median(r["mean_buffer_fill"] for r in per_rank)
+        row["capacity_rows"] = first["capacity_rows"]
+        for key in ("dispatch_row_bytes", "dispatch_buffer_bytes"):
+            if key in first:
+                row[key] = first[key]
+    row["routing_digests"] = [r["routing_digest"] for r in per_rank]
+    return row
+
+
+def dispatch_combine_ratios(rows: list[dict]) -> dict:
+    """rowwise_symm (and its MXFP8 variant) dispatch+combine over each Megatron alltoall path's."""
+    timed = {r["path"]: r["dispatch_combine_ms"] for r in rows if r.get("dispatch_combine_ms")}
+    ratios = {}
+    for rowwise in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_torch"):
+        for megatron in ("megatron_alltoall", "megatron_alltoall_gg"):
+            if rowwise in timed and megatron in timed:
+                ratio = timed[rowwise] / timed[megatron]
+                ratios[f"{rowwise}/{megatron}"] = {"ratio": ratio, "shorter_by": 1 - ratio}
+    return ratios
+
+
+def same_routes(rows: list[dict]) -> bool | None:
+    digests = [tuple(r["routing_digests"]) for r in rows if "routing_digests" in r]
+    return len(set(digests)) == 1 if digests else None
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes_equal) -> None:
+    print(f"\nEP{world} MoE layer, {world} ranks: {shape.sequences} x {shape.seq_length} = {shape.tokens} tokens "
+          f"per rank, {shape.experts} experts, top-{shape.topk}, hidden {shape.hidden}, expert ffn {shape.ffn} "
+          f"(SwiGLU); medians over ranks and iterations; same routes on every path: {routes_equal}")
+    header = (f"{'path':22s} {'fwd+bwd ms':>10s} {'disp+comb ms':>12s} {'disp f/b ms':>13s} {'comb f/b ms':>13s} "
+              f"{'TFLOP/s':>8s} {'peak+ MiB':>9s} {'syncs':>5s} {'dropped':>8s} {'out diff':>8s} {'row B':>6s}")
+    print(header)
+    for r in rows:
+        if "unavailable" in r or "error" in r:
+            print(f"{r['path']:22s} {'NOT AVAILABLE' if 'unavailable' in r else 'ERROR'}: "
+                  f"{r.get('unavailable') or r.get('error')}")
+            continue
+        phases = r.get("phases_ms", {})
+        disp = (f"{phases['dispatch_fwd']:.2f}/{phases['dispatch_bwd']:.2f}" if phases else "-")
+        comb = (f"{phases['combine_fwd']:.2f}/{phases['combine_bwd']:.2f}" if phases else "-")
+        peak = r.get("peak_above_baseline_bytes_max_rank")
+        print(f"{r['path']:22s} {r['layer_fwd_bwd_ms']:10.2f} {_fmt(r.get('dispatch_combine_ms'), '12.2f'):>12s} "
+              f"{disp:>13s} {comb:>13s} {r['tflops_per_gpu']:8.1f} {_fmt(peak and peak / 2**20, '9.0f'):>9s} "
+              f"{_fmt(r.get('blocking_cuda_calls_max_rank'), 'd'):>5s} "
+              f"{_fmt(r.get('dropped_routes_per_step_all_ranks'), '.0f'):>8s} "
+              f"{_fmt(r.get('out_rel_diff_vs_first_path_max_rank'), '.1e'):>8s} "
+              f"{_fmt(r.get('dispatch_row_bytes'), 'd'):>6s}")
+    for name, value in ratios.items():
+        change = "shorter" if value["shorter_by"] >= 0 else "longer"
+        print(f"dispatch+combine {name}: ratio {value['ratio']:.3f} ({100 * abs(value['shorter_by']):.1f}% {change})")
+    target = ratios.get("rowwise_symm/megatron_alltoall")
+    if target:
+        met = "MET" if target["shorter_by"] >= TARGET_SHORTER else "NOT MET"
+        print(f"issue 11 target (rowwise symm dispatch+combine >= {100 * TARGET_SHORTER:.0f}% shorter than Megatron "
+              f"alltoall): {met}")
+    else:
+        print("issue 11 target: not evaluated (rowwise_symm or megatron_alltoall has no dispatch+combine time)")
