@@ -123,7 +123,12 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                 probs = None
             else:
                 probs = probs.reshape(-1).float()
-        fc1_out = torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offsets)
+        if getattr(hidden, "mxfp8_payload", None) is not None:  # rowwise MXFP8 dispatch
+            from megatron_ext.moe.mxfp8_dispatch import payload_fc1
+
+            fc1_out = payload_fc1(hidden, self.fc1_weight, offsets)
+        else:
+            fc1_out = torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offsets)
         act = swiglu_valid_prefix(fc1_out, offsets[-1], probs)
         return torch._grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offsets)
 

@@ -3,11 +3,16 @@
 Cost removed: a BF16 row costs 2H bytes on the wire and in the symmetric dispatch buffer; a
 packed MXFP8 row costs H + H/32 bytes rounded up to 16 (0.52x at H = 2048). Costs accepted
 (Hopper has no MXFP8 GEMM): the quantize of the source tokens (fused into the PUT kernel
-by the symm transport, ``kernels/mxfp8_put.py``; a separate pass in the torch one) and one
-dequantize of the received buffer into BF16 for the grouped GEMM; the experts then save that
-BF16 input for Wgrad (the payload itself is released right after the dequantize). Combine and
-both backward transfers stay BF16, as in the report. Gradients pass the quantizer straight
-through: d(tokens) is the dispatch backward of d(dequantized buffer).
+by the symm transport, ``kernels/mxfp8_put.py``; a separate pass in the torch one) and two
+dequantizes of the received payload into a transient BF16 copy: one for the up-projection in
+forward, one for its Wgrad in backward. No BF16 copy of the expert input is saved for backward:
+the leased MXFP8 payload is (0.52x the bytes), and the lease is returned when the dispatch
+backward has run. Combine and both backward transfers stay BF16, as in the report. Gradients
+pass the quantizer straight through: d(tokens) is the dispatch backward of d(expert input).
+
+The dispatch returns a zero-stride BF16 "anchor" [C, H] carrying the payload as its
+``mxfp8_payload`` attribute: it is the autograd edge between the dispatch and the experts
+(whose up-projection reads the payload, ``payload_fc1``), and costs no memory.
 
 Transports return the packed rows as uint8 [C, packed_row_bytes(H)] from
 ``dispatch_quantized``; both keep them in float32-word slots (16-byte aligned rows, no
@@ -15,6 +20,8 @@ arithmetic on them), so they carry the bytes exactly without a byte dtype of the
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -41,24 +48,62 @@ def dequantize_packed(packed: torch.Tensor, hidden: int, dtype: torch.dtype) -> 
     return mxfp8.dequantize_rows(rows, dtype)
 
 
+@dataclass(frozen=True)
+class MXFP8Payload:
+    packed: torch.Tensor  # uint8 [C, packed_row_bytes(hidden)], a leased dispatch slot
+    hidden: int
+    dtype: torch.dtype  # the BF16/fp32 dtype the experts compute in
+
+
 class _DispatchMXFP8Rows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, transport: RowTransport, route: RouteMap):
-        buffer, lease = transport.dispatch_quantized(tokens.contiguous(), route)  # uint8 [C, P]
-        expert_input = dequantize_packed(buffer, tokens.shape[1], tokens.dtype)
-        transport.release(lease)  # the BF16 copy is what the experts read from here on
-        ctx.transport, ctx.route = transport, route
-        return expert_input
+    def forward(ctx, tokens, transport: RowTransport, route: RouteMap, holder: list):
+        packed, lease = transport.dispatch_quantized(tokens.contiguous(), route)  # uint8 [C, P]
+        ctx.transport, ctx.route, ctx.lease = transport, route, lease
+        holder.append((MXFP8Payload(packed, tokens.shape[1], tokens.dtype), lease))
+        return tokens.new_zeros(()).expand(packed.shape[0], tokens.shape[1])
 
     @staticmethod
     def backward(ctx, grad_buffer):
-        return ctx.transport.dispatch_backward(grad_buffer.contiguous(), ctx.route), None, None
+        grad_tokens = ctx.transport.dispatch_backward(grad_buffer.contiguous(), ctx.route)
+        ctx.transport.release(ctx.lease)  # the up-projection's Wgrad, the payload's last reader, ran
+        return grad_tokens, None, None, None
 
 
 def dispatch_rows_mxfp8(tokens: torch.Tensor, transport: RowTransport, route: RouteMap):
-    """Token rows [T, H] -> dequantized expert-major capacity buffer [C, H] (no live lease)."""
+    """Token rows [T, H] -> (anchor [C, H] carrying `.mxfp8_payload`, the payload's lease)."""
     mxfp8.check_hidden(tokens.shape[1])
-    return _DispatchMXFP8Rows.apply(tokens, transport, route), None
+    holder: list = []
+    anchor = _DispatchMXFP8Rows.apply(tokens, transport, route, holder)
+    payload, lease = holder[0]
+    anchor.mxfp8_payload = payload
+    return anchor, lease
+
+
+class _PayloadFc1(torch.autograd.Function):
+    """Grouped up-projection that reads the MXFP8 payload and saves it (not a BF16 copy)."""
+
+    @staticmethod
+    def forward(ctx, anchor, weight, offsets, payload: MXFP8Payload):
+        expert_input = dequantize_packed(payload.packed, payload.hidden, payload.dtype)
+        ctx.save_for_backward(payload.packed, weight, offsets)
+        ctx.hidden, ctx.dtype = payload.hidden, payload.dtype
+        return torch._grouped_mm(expert_input, weight.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        packed, weight, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        expert_input = dequantize_packed(packed, ctx.hidden, ctx.dtype)  # Wgrad from the saved payload
+        grad_weight = torch._grouped_mm(expert_input.t(), grad_out, offs=offsets).transpose(1, 2)
+        grad_input = torch._grouped_mm(grad_out, weight, offs=offsets)
+        return grad_input, grad_weight, None, None
+
+
+def payload_fc1(anchor: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """fc1 of DeviceOffsetGroupedMLP on an MXFP8 dispatch anchor: [C, 2F], rows past offsets[-1]
+    never read (the grouped GEMMs stop at the last offset)."""
+    return _PayloadFc1.apply(anchor, weight, offsets, anchor.mxfp8_payload)
 
 
 def dispatch_row_bytes(hidden: int, dtype: torch.dtype, mxfp8_payload: bool) -> int:

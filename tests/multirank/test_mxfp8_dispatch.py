@@ -81,3 +81,37 @@ def test_tiny_gpt_trains_as_well_with_mxfp8_dispatch():
     assert mx[-1] < 0.7 * mx[0], f"MXFP8 run did not learn: {mx}"
     # Same data, same init: the curves must stay close (no numerical divergence).
     assert max(abs(a - b) for a, b in zip(mx, bf16)) < 0.1 * bf16[0], (bf16, mx)
+
+
+def _payload_path_rank(rank, world):
+    """The experts read the MXFP8 payload itself: same numbers as BF16 experts fed the dequantized
+    rows, no [C, H] float copy saved for backward, and the payload's lease held until backward."""
+    hidden, ffn, experts, tokens = 64, 24, 4, 16  # 2 * ffn != hidden: shapes tell tensors apart
+    config = moe_config(hidden=hidden, ffn=ffn, experts=experts, topk=2, ep=world)
+    weights = MoEWeights.random(experts, hidden, ffn, seed=9)
+    x, grad_out = rank_tokens(rank, tokens, hidden)
+    x_exact = mxfp8.dequantize_rows(mxfp8.quantize_rows(x), torch.float32)  # MXFP8-representable rows
+
+    mx_layer = moe_builder(MoEExtConfig(transport="torch", mxfp8_dispatch=True, lease_slots=1))(config=config)
+    bf16_layer = moe_builder(MoEExtConfig(transport="torch"))(config=config)
+    for layer in (mx_layer, bf16_layer):
+        load_weights(layer, weights)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        x_in = x_exact.clone().view(tokens, 1, hidden).requires_grad_(True)
+        out, _ = mx_layer(x_in)
+    capacity = mx_layer.token_dispatcher.capacity
+    float_copies = [t for t in saved if t.shape == (capacity, hidden) and t.is_floating_point()]
+    assert not float_copies, "a float copy of the expert input was saved for backward"
+    assert any(t.dtype == torch.uint8 and t.shape[0] == capacity for t in saved), "the payload was not saved"
+    out.backward(grad_out.view_as(out))
+    got = (out.detach(), x_in.grad, mx_layer.experts.fc1_weight.grad, mx_layer.experts.fc2_weight.grad)
+    expected = _run(bf16_layer, x_exact, grad_out)
+    expected = (expected[0], expected[1], expected[3], bf16_layer.experts.fc2_weight.grad)
+    for name, a, b in zip(("output", "input grad", "fc1 grad", "fc2 grad"), got, expected):
+        assert_close(a, b, 1e-6, f"rank {rank} payload path vs BF16 experts on the same rows: {name}")
+
+
+def test_experts_read_and_save_the_mxfp8_payload():
+    run_on_ranks(_payload_path_rank, 2, sizes=ParallelSizes(ep=2))
+
