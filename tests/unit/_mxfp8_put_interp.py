@@ -68,7 +68,8 @@ def single_rank_route(dest_rank, dest_row, C):
 
 def check_symm_transport() -> bool:
     """SymmRowTransport.dispatch_quantized (EP=1, CPU slot) == TorchRowTransport's on every written
-    row, NaN-poisoned words elsewhere; the autograd dispatch gives the same expert input."""
+    row, NaN-poisoned words elsewhere; the autograd dispatch carries the same payload to the
+    experts and keeps its lease until the backward."""
     import torch
 
     from megatron_ext.moe.mxfp8_dispatch import dispatch_rows_mxfp8
@@ -92,7 +93,8 @@ def check_symm_transport() -> bool:
     symm.release(lease)
     out_symm, _ = dispatch_rows_mxfp8(tokens, symm, route)
     out_ref, _ = dispatch_rows_mxfp8(tokens, ref, route)
-    ok = ok and torch.equal(out_symm[written], out_ref[written]) and symm.pool.live == 0
+    payload_symm, payload_ref = out_symm.mxfp8_payload.packed, out_ref.mxfp8_payload.packed
+    ok = ok and torch.equal(payload_symm[written], payload_ref[written]) and symm.pool.live == 1
     print(f"{'ok  ' if ok else 'FAIL'} symm dispatch_quantized == torch_ref (EP=1)", flush=True)
     return ok
 
