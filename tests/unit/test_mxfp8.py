@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_ext.moe import mxfp8
+from tests.unit.interpreter import run_under_interpreter
 from tests.unit.mxfp8_spec_reference import (
     dequantize_rows_reference,
     make_spec_inputs,
@@ -183,8 +182,4 @@ def test_kernels_module_imports_without_gpu():
 
 
 def test_triton_kernels_bit_exact_under_interpreter():
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mxfp8_interp.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "all interpreter checks passed" in result.stdout
+    assert "all interpreter checks passed" in run_under_interpreter("_mxfp8_interp.py")

@@ -5,8 +5,6 @@ dispatch_quantized on CPU."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,17 +14,13 @@ from megatron_ext.moe import mxfp8
 from megatron_ext.moe.transport.torch_ref import TorchRowTransport
 from tests.unit._mxfp8_put_interp import single_rank_route
 from tests.unit._row_transfer_interp import random_routes
+from tests.unit.interpreter import run_under_interpreter
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_fused_put_bit_exact_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_mxfp8_put_interp.py")],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
-    print(proc.stdout)
-    assert proc.returncode == 0, f"interpreter run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    assert " 0 mismatches" in proc.stdout, proc.stdout
+    stdout = run_under_interpreter("_mxfp8_put_interp.py")
+    assert " 0 mismatches" in stdout, stdout
 
 
 @pytest.mark.parametrize("case, error, match", [

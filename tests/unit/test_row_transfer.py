@@ -4,8 +4,6 @@ reference under Triton's interpreter (in a subprocess), and the kernels' argumen
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,8 +11,8 @@ import torch
 from megatron_ext.kernels.row_transfer import _launch_config, get_rows, peer_table_from_buffers, put_rows
 from megatron_ext.kernels.row_transfer_ref import get_rows_ref, put_rows_ref
 from tests.unit._row_transfer_interp import brute_force_get, brute_force_put, random_routes
+from tests.unit.interpreter import run_under_interpreter
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("M", [1, 2, 4])
@@ -68,11 +66,8 @@ def test_reference_put_to_rank_without_routes_leaves_it_untouched():
 
 
 def test_triton_kernels_match_reference_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_row_transfer_interp.py")],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"interpreter run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    assert "0 mismatches" in proc.stdout, proc.stdout
+    stdout = run_under_interpreter("_row_transfer_interp.py")
+    assert "0 mismatches" in stdout, stdout
 
 
 def test_launch_config_defaults():
