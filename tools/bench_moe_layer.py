@@ -7,6 +7,7 @@ Paths (same router weights, expert weights, tokens and output gradients):
   rowwise_symm             RowwiseMoELayer, symmetric-memory Triton transport
   rowwise_symm_graph       rowwise_symm captured in one CUDA graph (forward+backward), replayed
   rowwise_symm_mxfp8       rowwise_symm with MXFP8 dispatch payloads (quantize, PUT, dequantize)
+  rowwise_symm_mxfp8_graph rowwise_symm_mxfp8 captured in one CUDA graph (no host submission cost)
 Reported per path: median fwd+bwd ms (CUDA events, after warm-up), model TFLOP/s (useful
 tokens only), peak memory above baseline, blocking CUDA calls per step (profiler), host
 submission ms per layer step, and the measured dense bf16 GEMM rate for the same FLOPs.
@@ -29,7 +30,7 @@ from tools.bench_common import (cuda_time_ms, host_time_ms, init_single_rank_meg
                                 median, moe_model_flops, peak_memory, profile_kernels, write_result)
 
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph",
-         "rowwise_symm_mxfp8")
+         "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph")
 
 
 def build(path: str, args, weights):
@@ -48,7 +49,7 @@ def build(path: str, args, weights):
         transport = "torch" if path == "rowwise_torch" else "symm"
         layer = moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor,
                                          dropless=args.dropless,
-                                         mxfp8_dispatch=path.endswith("mxfp8")))(config=config)
+                                         mxfp8_dispatch="mxfp8" in path))(config=config)
     layer = layer.cuda()
     load_weights(layer, weights)
     return layer
@@ -90,7 +91,7 @@ def measure(path, args, weights, x, grad_out, flops):
     layer = build(path, args, weights)
     step = make_step(layer, x, grad_out)  # on its own copy of x that requires grad
     result = {"path": path}
-    if path == "rowwise_symm_graph":
+    if path.endswith("_graph"):
         graph, _ = capture_replay(step)
         step = graph.replay
     step()

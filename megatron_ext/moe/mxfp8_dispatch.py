@@ -95,7 +95,10 @@ class _PayloadFc1(torch.autograd.Function):
         packed, weight, offsets = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         expert_input = dequantize_packed(packed, ctx.hidden, ctx.dtype)  # Wgrad from the saved payload
-        grad_weight = torch._grouped_mm(expert_input.t(), grad_out, offs=offsets).transpose(1, 2)
+        # dW = grad_out^T @ input per expert, formed as [L, 2F, H]: the weight's own contiguous
+        # layout. (Forming [L, H, 2F] and transposing made AccumulateGrad copy the whole weight
+        # gradient into the parameter's layout: a 1.7 ms strided copy per layer on the H200.)
+        grad_weight = torch._grouped_mm(grad_out.t(), expert_input, offs=offsets)
         grad_input = torch._grouped_mm(grad_out, weight, offs=offsets)
         return grad_input, grad_weight, None, None
 

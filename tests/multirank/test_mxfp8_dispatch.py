@@ -104,7 +104,11 @@ def _payload_path_rank(rank, world):
     float_copies = [t for t in saved if t.shape == (capacity, hidden) and t.is_floating_point()]
     assert not float_copies, "a float copy of the expert input was saved for backward"
     assert any(t.dtype == torch.uint8 and t.shape[0] == capacity for t in saved), "the payload was not saved"
+    fc1 = mx_layer.experts.fc1_weight
+    grad_strides = []  # the gradient as it reaches AccumulateGrad: must be in the weight's layout,
+    fc1.register_hook(lambda grad: grad_strides.append(grad.stride()))  # else it copies the whole grad
     out.backward(grad_out.view_as(out))
+    assert grad_strides == [fc1.stride()], f"fc1 weight grad strides {grad_strides}, weight {fc1.stride()}"
     got = (out.detach(), x_in.grad, mx_layer.experts.fc1_weight.grad, mx_layer.experts.fc2_weight.grad)
     expected = _run(bf16_layer, x_exact, grad_out)
     expected = (expected[0], expected[1], expected[3], bf16_layer.experts.fc2_weight.grad)
