@@ -145,6 +145,12 @@ class FunctionalCase:
             return json.load(handle)
 
     @property
+    def rtol_overrides(self) -> dict[str, float]:
+        """RTOL_OVERRIDES: {metric: rtol} replacing the default rtol of that metric's approximate
+        checks for this case (each override is justified in the case's model_config.yaml)."""
+        return {metric: float(rtol) for metric, rtol in (self.config.get("RTOL_OVERRIDES") or {}).items()}
+
+    @property
     def steady_window(self) -> tuple[int, int] | None:
         window = self.config.get("STEADY_WINDOW")
         return tuple(window) if window else None
