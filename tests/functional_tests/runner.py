@@ -32,7 +32,8 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from tests.functional_tests.case_config import FunctionalCase, list_cases, model_args_to_argv  # noqa: E402
-from tests.functional_tests.compare import CheckResult, compare_metrics, restrict_steps  # noqa: E402
+from tests.functional_tests.compare import (  # noqa: E402
+    CheckResult, as_logged_after_restart, compare_metrics, restrict_steps)
 from tests.functional_tests.log_metrics import metrics_from_log  # noqa: E402
 
 PASSED, FAILED, NO_GOLDEN, SKIPPED, TRAINING_FAILED = 0, 1, 2, 3, 4
@@ -114,7 +115,7 @@ def run_training(command: list[str], env: dict[str, str], log_path: str, timeout
     return text
 
 
-def _environment(case: FunctionalCase) -> dict[str, str]:
+def environment(case: FunctionalCase) -> dict[str, str]:
     env = dict(os.environ)
     env.update(case.env_vars)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
@@ -125,6 +126,21 @@ def _write_json(path: str, values: dict) -> None:
     with open(path, "w") as handle:
         json.dump(values, handle, indent=2)
         handle.write("\n")
+
+
+
+def train_variant(case: FunctionalCase, extra_args: list[str], output_dir: str, label: str,
+                  metrics: list[str]) -> dict:
+    """Train `case` once with `extra_args` appended (later flags win in Megatron's parser); return
+    the metrics from its log (saved as <output_dir>/<label>.log). Used by the tools that compare
+    variants of one case (tools/mxfp8_loss_curve.py, tools/bench_training.py)."""
+    placeholders = {"OUTPUT_PATH": output_dir, "CHECKPOINT_SAVE_PATH": os.path.join(output_dir, "checkpoints"),
+                    "CHECKPOINT_LOAD_PATH": os.path.join(output_dir, "checkpoints"),
+                    "TENSORBOARD_PATH": os.path.join(output_dir, "tensorboard"),
+                    "DATA_PATH": os.environ.get("DATA_PATH", "")}
+    log = run_training(training_command(case, extra_args, placeholders), environment(case),
+                       os.path.join(output_dir, f"{label}.log"), float(case.config.get("TIMEOUT_S", 1800)))
+    return metrics_from_log(log, metrics)
 
 
 def run_case(name: str, output_dir: str | None = None, generate: bool = False,
@@ -148,7 +164,7 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
     placeholders = {"OUTPUT_PATH": output_dir, "CHECKPOINT_SAVE_PATH": checkpoints,
                     "CHECKPOINT_LOAD_PATH": checkpoints, "TENSORBOARD_PATH": os.path.join(output_dir, "tensorboard"),
                     "DATA_PATH": data_path or os.environ.get("DATA_PATH", "")}
-    env = _environment(case)
+    env = environment(case)
     timeout_s = float(case.config.get("TIMEOUT_S", 1800))
     metrics = list(case.config["METRICS"])
     try:
@@ -170,8 +186,10 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
     if actual_2nd is not None:  # the resumed steps must reproduce run 1
         first_resumed = int(case.config["RESUME_STEP"]) + 1
         resumed_metrics = [m for m in metrics if m in ("lm loss", "num-zeros")]
+        run_1_as_restarted = as_logged_after_restart(actual, first_resumed, int(case.config["MODEL_ARGS"].get(
+            "--log-interval", 100)))
         results += [CheckResult(r.metric, f"resume vs run 1, {r.test}", r.passed, r.message) for r in compare_metrics(
-            restrict_steps(actual, first_resumed), actual_2nd, resumed_metrics, case.allow_nondeterministic)]
+            run_1_as_restarted, actual_2nd, resumed_metrics, case.allow_nondeterministic)]
     if generate:
         _write_json(case.golden_path(), actual)
         written = [case.golden_path()]
@@ -182,10 +200,11 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
         return CaseOutcome(FAILED if failed else PASSED,
                            f"GOLDEN VALUES WRITTEN for {case.name}: {', '.join(written)}"
                            + ("; but the resumed run did not reproduce run 1" if failed else ""), results, output_dir)
-    results += compare_metrics(golden, actual, metrics, case.allow_nondeterministic, case.steady_window)
+    results += compare_metrics(golden, actual, metrics, case.allow_nondeterministic, case.steady_window,
+                               case.rtol_overrides)
     if actual_2nd is not None:
         results += [CheckResult(r.metric, f"2nd run, {r.test}", r.passed, r.message) for r in compare_metrics(
-            golden_2nd, actual_2nd, metrics, case.allow_nondeterministic, case.steady_window)]
+            golden_2nd, actual_2nd, metrics, case.allow_nondeterministic, case.steady_window, case.rtol_overrides)]
     failed = [r for r in results if not r.passed]
     mode = "exact checks skipped (nondeterminism allowed)" if case.allow_nondeterministic else "exact checks on"
     verdict = f"FAILED {len(failed)} of {len(results)} checks" if failed else f"PASSED all {len(results)} checks"

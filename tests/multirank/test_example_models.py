@@ -17,7 +17,7 @@ TINY_ARGV = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-leng
              "--use-cpu-initialization --moe-ext-transport torch --moe-ext-capacity-factor 2").split()
 
 
-def _pretrain_gpt_pieces(rank, world):
+def _pretrain_gpt_pieces(rank, world, extra_argv=()):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.models.gpt import GPTModelBuilder
 
@@ -25,7 +25,7 @@ def _pretrain_gpt_pieces(rank, world):
     from megatron_ext.specs import default_ext_config
 
     example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "pretrain_gpt.py"), run_name="example")
-    args = example["parse_arguments"](TINY_ARGV)  # no data flag: mock data is the default
+    args = example["parse_arguments"]([*TINY_ARGV, *extra_argv])  # no data flag: mock data is the default
     model = GPTModelBuilder(example["model_config"](args)).build_model(ProcessGroupCollection.use_mpu_process_groups())
     train, _, _ = example["train_valid_test_datasets_provider"]([4, 0, 0])
     samples = [train[i] for i in range(2)]
@@ -36,6 +36,8 @@ def _pretrain_gpt_pieces(rank, world):
     (loss / num_tokens).backward()
     return {"spec": args.spec, "mock_data": args.mock_data, "ext_config": default_ext_config(),
             "rowwise_layers": sum(isinstance(m, RowwiseMoELayer) for m in model.modules()),
+            "moe_layers": sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("MoELayer")}),
+            "experts": sorted({type(m.experts).__name__ for m in model.modules() if hasattr(m, "experts")}),
             "loss_per_token": float(loss / num_tokens), "num_tokens": int(num_tokens),
             "report": report["lm loss"].tolist(),
             "expert_grads": all(p.grad is not None for n, p in model.named_parameters() if "experts" in n)}
@@ -49,6 +51,17 @@ def test_pretrain_gpt_entry_builds_its_model_through_megatron_training():
     assert result["num_tokens"] == 64 and abs(result["loss_per_token"] - torch.log(torch.tensor(128.0)).item()) < 1.0
     assert result["report"][1] == 64.0 and abs(result["report"][0] / 64 - result["loss_per_token"]) < 1e-5
     assert result["expert_grads"]
+
+
+
+def test_pretrain_gpt_entry_keeps_megatrons_layer_under_megatrons_spec():
+    """tools/bench_training.py's baseline: --spec megatron.training.models.gpt default_layer_spec
+    builds Megatron's own MoE layer (SequentialMLP without Transformer Engine), untouched."""
+    spec = ("--spec", "megatron.training.models.gpt", "default_layer_spec")
+    result = run_on_ranks(_pretrain_gpt_pieces, 1, spec, sizes=ParallelSizes(), timeout=180)[0]
+    assert result["spec"] == list(spec[1:]) and result["rowwise_layers"] == 0
+    assert result["moe_layers"] == ["MoELayer"] and result["experts"] == ["SequentialMLP"]
+    assert abs(result["loss_per_token"] - torch.log(torch.tensor(128.0)).item()) < 1.0 and result["expert_grads"]
 
 
 def test_custom_model_example_swaps_only_the_moe_layer(capsys):

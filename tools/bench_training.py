@@ -1,0 +1,111 @@
+"""End-to-end training step time: Megatron's MoE layer vs megatron_ext's on the same job.
+
+Trains one functional-test case (default gpt/moe_rowwise_1gpu: a small GPT-MoE on one GPU
+through `python -m megatron_ext.launch examples/pretrain_gpt.py`, mock data) once per variant,
+same seed, data and model, and reports the median iteration time over the steady steps, the
+peak memory and the loss over the last steps. Variants (flags appended to the case's):
+
+  megatron          Megatron's own layer: --spec megatron.training.models.gpt default_layer_spec
+                    (alltoall dispatcher + SequentialMLP without Transformer Engine), dropless
+  ext_experts       Megatron's alltoall dispatcher + megatron_ext's grouped experts
+  rowwise           megatron_ext's rowwise layer as the case configures it (capacity factor)
+  rowwise_dropless  the same, capacity sized so nothing is dropped (same work as Megatron's)
+  rowwise_graphs    the rowwise layer captured in CUDA graphs (--moe-ext-cuda-graphs)
+
+    python tools/bench_training.py [--variants megatron,rowwise] [--train-iters 30]
+
+Result JSON under bench/results/ (training_<time>.json); ratios are against `megatron`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.functional_tests.case_config import FunctionalCase  # noqa: E402
+from tests.functional_tests.compare import values_by_step  # noqa: E402
+from tests.functional_tests.runner import TrainingFailed, train_variant  # noqa: E402
+from tools.bench_common import write_result  # noqa: E402
+
+VARIANTS = {
+    "megatron": ["--spec", "megatron.training.models.gpt", "default_layer_spec"],
+    "ext_experts": ["--moe-ext-dispatcher", "megatron", "--moe-ext-transport", "auto"],
+    "rowwise": [],
+    "rowwise_dropless": ["--moe-ext-dropless"],
+    "rowwise_graphs": ["--moe-ext-cuda-graphs"],
+}
+METRICS = ["lm loss", "iteration-time", "mem-max-allocated-bytes"]
+
+
+def summarize(values: dict, warmup: int, window: int) -> dict:
+    """Median iteration time after `warmup` steps, peak memory, mean loss over the last `window` steps."""
+    times = values_by_step(values["iteration-time"])
+    loss = values_by_step(values["lm loss"])
+    steady = [times[s] for s in sorted(times) if s > warmup]
+    memory = values.get("mem-max-allocated-bytes")
+    return {"iteration_time_s": statistics.median(steady), "steady_steps": len(steady),
+            "max_allocated_gib": max(values_by_step(memory).values()) / 2**30 if memory else None,
+            "final_loss": statistics.fmean(loss[s] for s in sorted(loss)[-window:])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", default="gpt/moe_rowwise_1gpu")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--train-iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the time median")
+    parser.add_argument("--output-dir", help="training logs (default: a new temporary folder)")
+    parser.add_argument("--extra-args", default="", help="flags appended to every variant, e.g. "
+                                                         "'--timing-log-level 2' for Megatron's phase timers")
+    options = parser.parse_args(argv)
+    names = [name.strip() for name in options.variants.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if options.train_iters <= options.warmup:
+        parser.error(f"--train-iters {options.train_iters} must exceed --warmup {options.warmup}")
+
+    case = FunctionalCase.load(options.case)
+    output_dir = options.output_dir or tempfile.mkdtemp(prefix="bench_training_")
+    os.makedirs(output_dir, exist_ok=True)
+    results = {}
+    for name in names:
+        print(f"== {name}: {' '.join(VARIANTS[name]) or '(the case as configured)'}", flush=True)
+        try:
+            values = train_variant(case, [*VARIANTS[name], "--train-iters", str(options.train_iters),
+                                          *shlex.split(options.extra_args)],
+                                   output_dir, name, METRICS)
+            results[name] = summarize(values, options.warmup, window=5)
+        except TrainingFailed as error:  # report it and go on with the other variants
+            results[name] = {"failed": str(error).splitlines()[0]}
+        print(f"   {results[name]}", flush=True)
+
+    base = results.get("megatron", {}).get("iteration_time_s")
+    for result in results.values():
+        if base and "iteration_time_s" in result:
+            result["speedup_vs_megatron"] = base / result["iteration_time_s"]
+    path = write_result("training", {"case": case.name, "train_iters": options.train_iters,
+                                     "warmup": options.warmup, "variants": {n: VARIANTS[n] for n in names},
+                                     "extra_args": options.extra_args,
+                                     "results": results})
+    print(f"{'variant':<18} {'iter ms':>9} {'vs megatron':>12} {'max GiB':>8} {'loss':>8}")
+    for name, result in results.items():
+        if "failed" in result:
+            print(f"{name:<18} FAILED: {result['failed']}")
+            continue
+        speedup = result.get("speedup_vs_megatron")
+        memory = result["max_allocated_gib"]
+        print(f"{name:<18} {result['iteration_time_s'] * 1e3:>9.1f} {f'{speedup:.2f}x' if speedup else '-':>12} "
+              f"{memory if memory is None else round(memory, 2)!s:>8} {result['final_loss']:>8.4f}")
+    print(f"result: {path}")
+    return 1 if any("failed" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
