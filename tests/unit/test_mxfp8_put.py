@@ -4,7 +4,6 @@ dispatch_quantized on CPU."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from megatron_ext.moe.transport.torch_ref import TorchRowTransport
 from tests.unit._mxfp8_put_interp import single_rank_route
 from tests.unit._row_transfer_interp import random_routes
 from tests.unit.interpreter import run_under_interpreter
+from tests.unit.put_arguments import COMMON_PUT_ERRORS, put_arguments
 
 
 
@@ -23,36 +23,19 @@ def test_fused_put_bit_exact_under_interpreter():
     assert " 0 mismatches" in stdout, stdout
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("rank_int64", TypeError, "dest_rank must be int32"),
-    ("row_shape", ValueError, "dest_row must be"),
-    ("table_int32", TypeError, "peer_table must be int64"),
-    ("src_noncontig", ValueError, "rows is not contiguous"),
+@pytest.mark.parametrize("case, error, match", COMMON_PUT_ERRORS + [
     ("hidden_48", ValueError, "multiple of 32"),
     ("fp16", TypeError, "bfloat16 or float32"),
     ("table_device", ValueError, "keep all on one device"),
-    ("cpu", ValueError, "need CUDA tensors"),
 ])
 def test_put_rows_mxfp8_rejects_bad_arguments(case, error, match):
-    src = torch.zeros(3, 64)
-    dest_rank = dest_row = torch.zeros(3, 2, dtype=torch.int32)
-    table = torch.zeros(2, dtype=torch.int64)
-    if case == "rank_int64":
-        dest_rank = dest_rank.long()
-    elif case == "row_shape":
-        dest_row = torch.zeros(4, 2, dtype=torch.int32)
-    elif case == "table_int32":
-        table = table.int()
-    elif case == "src_noncontig":
-        src = torch.zeros(64, 3).t()
-    elif case == "hidden_48":
+    src, dest_rank, dest_row, table = put_arguments(case, hidden=64)
+    if case == "hidden_48":
         src = torch.zeros(3, 48)
     elif case == "fp16":
         src = src.half()
     elif case == "table_device":
         table = torch.zeros(2, dtype=torch.int64, device="meta")
-    if case == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter accepts CPU tensors")
     with pytest.raises(error, match=match):
         put_rows_mxfp8(src, dest_rank, dest_row, table)
 

@@ -3,7 +3,6 @@ reference under Triton's interpreter (in a subprocess), and the kernels' argumen
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from megatron_ext.kernels.row_transfer import _launch_config, get_rows, peer_tab
 from megatron_ext.kernels.row_transfer_ref import get_rows_ref, put_rows_ref
 from tests.unit._row_transfer_interp import brute_force_get, brute_force_put, random_routes
 from tests.unit.interpreter import run_under_interpreter
+from tests.unit.put_arguments import COMMON_PUT_ERRORS, put_arguments
 
 
 
@@ -82,34 +82,17 @@ def _routes(T=3, K=2):
     return torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("rank_int64", TypeError, "dest_rank must be int32"),
-    ("row_shape", ValueError, "dest_row must be"),
-    ("table_int32", TypeError, "peer_table must be int64"),
-    ("src_noncontig", ValueError, "rows is not contiguous"),
+@pytest.mark.parametrize("case, error, match", COMMON_PUT_ERRORS + [
     ("scale_shape", ValueError, "row_scale must be"),
     ("scale_dtype", TypeError, "row_scale must be float32"),
-    ("cpu", ValueError, "need CUDA tensors"),
 ])
 def test_put_rows_rejects_bad_arguments(case, error, match):
-    src = torch.zeros(3, 8)
-    dest_rank, dest_row = _routes()
-    table = torch.zeros(2, dtype=torch.int64)
+    src, dest_rank, dest_row, table = put_arguments(case, hidden=8)
     scale = None
-    if case == "rank_int64":
-        dest_rank = dest_rank.long()
-    elif case == "row_shape":
-        dest_row = torch.zeros(4, 2, dtype=torch.int32)
-    elif case == "table_int32":
-        table = table.int()
-    elif case == "src_noncontig":
-        src = torch.zeros(8, 3).t()
-    elif case == "scale_shape":
+    if case == "scale_shape":
         scale = torch.ones(3, 3)
     elif case == "scale_dtype":
         scale = torch.ones(3, 2, dtype=torch.bfloat16)
-    if case == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter accepts CPU tensors")
     with pytest.raises(error, match=match):
         put_rows(src, dest_rank, dest_row, table, scale)
 
