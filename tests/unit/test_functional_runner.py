@@ -330,3 +330,14 @@ def test_a_case_rtol_override_widens_only_its_metric():
     assert [r.passed for r in widened] == [True, False] and "rtol 0.15" in widened[0].message
     case = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu")
     assert case.rtol_overrides == {"iteration-time": 0.15}
+
+
+def test_a_ckpt_resume_case_without_log_interval_1_is_rejected(tmp_path, monkeypatch):
+    case_dir = tmp_path / "gpt" / "resume_bad"
+    case_dir.mkdir(parents=True)
+    (case_dir / "model_config.yaml").write_text(
+        "SCRIPT: examples/pretrain_gpt.py\nTEST_TYPE: ckpt-resume\nRESUME_STEP: 2\nMETRICS:\n  - lm loss\n"
+        "MODEL_ARGS:\n  --log-interval: 10\n")
+    monkeypatch.setattr(case_config, "TEST_CASES_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="needs '--log-interval: 1'"):
+        case_config.FunctionalCase.load("gpt/resume_bad")
