@@ -15,6 +15,8 @@ peak memory and the loss over the last steps. Variants (flags appended to the ca
     python tools/bench_training.py [--variants megatron,rowwise] [--train-iters 30]
 
 Result JSON under bench/results/ (training_<time>.json); ratios are against `megatron`.
+Leave Megatron's timers at their default level for step-time comparisons: at
+--timing-log-level 2 they synchronize the device around each microbatch's forward and backward.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def summarize(values: dict, warmup: int, window: int) -> dict:
     times = values_by_step(values["iteration-time"])
     loss = values_by_step(values["lm loss"])
     steady = [times[s] for s in sorted(times) if s > warmup]
+    if not steady:
+        raise ValueError(f"no iteration after the {warmup} warm-up steps was logged")
     memory = values.get("mem-max-allocated-bytes")
     return {"iteration_time_s": statistics.median(steady), "steady_steps": len(steady),
             "max_allocated_gib": max(values_by_step(memory).values()) / 2**30 if memory else None,
@@ -61,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the time median")
     parser.add_argument("--output-dir", help="training logs (default: a new temporary folder)")
-    parser.add_argument("--extra-args", default="", help="flags appended to every variant, e.g. "
-                                                         "'--timing-log-level 2' for Megatron's phase timers")
+    parser.add_argument("--extra-args", default="", help="flags appended to every variant. Note: Megatron's "
+                        "--timing-log-level 2 synchronizes the device around every microbatch's forward and "
+                        "backward, which removes host/device overlap and slows eager variants more than graphed ones")
     options = parser.parse_args(argv)
     names = [name.strip() for name in options.variants.split(",") if name.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = summarize(values, options.warmup, window=5)
         except TrainingFailed as error:  # report it and go on with the other variants
             results[name] = {"failed": str(error).splitlines()[0]}
+        except (KeyError, ValueError) as error:  # trained, but its log lacks a metric or steady steps
+            results[name] = {"failed": f"no summary from the log: {type(error).__name__}: {error}"}
         print(f"   {results[name]}", flush=True)
 
     base = results.get("megatron", {}).get("iteration_time_s")

@@ -28,6 +28,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.functional_tests.case_config import FunctionalCase  # noqa: E402
+from tests.functional_tests.compare import values_by_step  # noqa: E402
 from tests.functional_tests.runner import train_variant  # noqa: E402
 from tools.bench_common import write_result  # noqa: E402
 
@@ -35,12 +36,13 @@ METRICS = ["lm loss", "iteration-time", "mem-max-allocated-bytes"]
 
 
 def series(values: dict, metric: str) -> dict[int, float]:
-    entry = values.get(metric) or {"values": {}}
-    return {int(step): float(value) for step, value in entry["values"].items()}
+    """{step: value} of one metric ({} when the run did not log it)."""
+    return values_by_step(values[metric]) if metric in values else {}
 
 
-def compare(bf16: dict, mxfp8: dict, window: int) -> dict:
-    """Per-step loss differences and the summary the verdict uses."""
+def compare(bf16: dict, mxfp8: dict, window: int, warmup: int = 10) -> dict:
+    """Per-step loss differences and the summary the verdict uses; iteration time is the median
+    over the steps after `warmup` (as in tools/bench_training.py)."""
     loss_bf16, loss_mxfp8 = series(bf16, "lm loss"), series(mxfp8, "lm loss")
     steps = sorted(set(loss_bf16) & set(loss_mxfp8))
     if not steps:
@@ -51,7 +53,7 @@ def compare(bf16: dict, mxfp8: dict, window: int) -> dict:
 
     def steady(metric: str, values: dict) -> float | None:
         points = series(values, metric)
-        kept = [points[s] for s in sorted(points)[len(points) // 5:]]  # skip warm-up steps
+        kept = [points[s] for s in sorted(points) if s > warmup]
         return statistics.median(kept) if kept else None
 
     return {
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", help="training logs (default: a new temporary folder)")
     parser.add_argument("--window", type=int, default=10, help="last steps averaged for the verdict")
     parser.add_argument("--max-rel-diff", type=float, default=0.02)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the iteration-time median")
     options = parser.parse_args(argv)
 
     case = FunctionalCase.load(options.case)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         bf16 = train_variant(case, [], output_dir, "bf16", METRICS)
     mxfp8 = train_variant(case, ["--moe-ext-mxfp8-dispatch"], output_dir, "mxfp8", METRICS)
-    result = {"case": case.name, **compare(bf16, mxfp8, options.window), "max_rel_diff_allowed": options.max_rel_diff}
+    result = {"case": case.name, **compare(bf16, mxfp8, options.window, options.warmup), "max_rel_diff_allowed": options.max_rel_diff}
     path = write_result("mxfp8_loss", result)
 
     print(f"{'step':>5} {'bf16':>10} {'mxfp8':>10} {'diff':>10}")

@@ -2,7 +2,8 @@
 
 Cost removed: a BF16 row costs 2H bytes on the wire and in the symmetric dispatch buffer; a
 packed MXFP8 row costs H + H/32 bytes rounded up to 16 (0.52x at H = 2048). Costs accepted
-(Hopper has no MXFP8 GEMM): the quantize of the source tokens (fused into the PUT kernel
+(the experts run a BF16 grouped GEMM on every GPU: Hopper has no MXFP8 GEMM and Blackwell's is
+not wired in): the quantize of the source tokens (fused into the PUT kernel
 by the symm transport, ``kernels/mxfp8_put.py``; a separate pass in the torch one) and two
 dequantizes of the received payload into a transient BF16 copy: one for the up-projection in
 forward, one for its Wgrad in backward. No BF16 copy of the expert input is saved for backward:

@@ -118,6 +118,10 @@ class FunctionalCase:
                 raise ValueError(f"{config_file} lacks {key}")
         if config["TEST_TYPE"] not in ("regular", "ckpt-resume"):
             raise ValueError(f"{config_file}: TEST_TYPE {config['TEST_TYPE']!r} is not run here (regular, ckpt-resume)")
+        for metric, rtol in (config.get("RTOL_OVERRIDES") or {}).items():
+            if metric not in config["METRICS"] or not isinstance(rtol, (int, float)) or rtol <= 0:
+                raise ValueError(f"{config_file}: RTOL_OVERRIDES {metric}: {rtol!r} must name one of METRICS "
+                                 f"{config['METRICS']} with a positive rtol")
         if config["TEST_TYPE"] == "ckpt-resume" and config["MODEL_ARGS"].get("--log-interval") != 1:
             raise ValueError(f"{config_file}: a ckpt-resume case needs '--log-interval: 1' in MODEL_ARGS (the resumed "
                              f"steps are compared per step, with Megatron's restart averaging modelled for interval 1)")

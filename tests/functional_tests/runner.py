@@ -33,7 +33,7 @@ if REPO_ROOT not in sys.path:
 
 from tests.functional_tests.case_config import FunctionalCase, list_cases, model_args_to_argv  # noqa: E402
 from tests.functional_tests.compare import (  # noqa: E402
-    CheckResult, as_logged_after_restart, compare_metrics, restrict_steps)
+    CheckResult, compare_metrics, compare_resumed, restrict_steps)
 from tests.functional_tests.log_metrics import metrics_from_log  # noqa: E402
 
 PASSED, FAILED, NO_GOLDEN, SKIPPED, TRAINING_FAILED = 0, 1, 2, 3, 4
@@ -128,18 +128,24 @@ def _write_json(path: str, values: dict) -> None:
         handle.write("\n")
 
 
+def fresh_placeholders(output_dir: str, data_path: str | None = None) -> dict[str, str]:
+    """The ${...} values a case's MODEL_ARGS may use, under `output_dir`; clears old checkpoints
+    there so that a run never resumes from a previous one by accident."""
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    return {"OUTPUT_PATH": output_dir, "CHECKPOINT_SAVE_PATH": checkpoints, "CHECKPOINT_LOAD_PATH": checkpoints,
+            "TENSORBOARD_PATH": os.path.join(output_dir, "tensorboard"),
+            "DATA_PATH": data_path or os.environ.get("DATA_PATH", "")}
+
 
 def train_variant(case: FunctionalCase, extra_args: list[str], output_dir: str, label: str,
-                  metrics: list[str]) -> dict:
+                  metrics: list[str], data_path: str | None = None) -> dict:
     """Train `case` once with `extra_args` appended (later flags win in Megatron's parser); return
     the metrics from its log (saved as <output_dir>/<label>.log). Used by the tools that compare
     variants of one case (tools/mxfp8_loss_curve.py, tools/bench_training.py)."""
-    placeholders = {"OUTPUT_PATH": output_dir, "CHECKPOINT_SAVE_PATH": os.path.join(output_dir, "checkpoints"),
-                    "CHECKPOINT_LOAD_PATH": os.path.join(output_dir, "checkpoints"),
-                    "TENSORBOARD_PATH": os.path.join(output_dir, "tensorboard"),
-                    "DATA_PATH": os.environ.get("DATA_PATH", "")}
-    log = run_training(training_command(case, extra_args, placeholders), environment(case),
-                       os.path.join(output_dir, f"{label}.log"), float(case.config.get("TIMEOUT_S", 1800)))
+    log = run_training(training_command(case, extra_args, fresh_placeholders(output_dir, data_path)),
+                       environment(case), os.path.join(output_dir, f"{label}.log"),
+                       float(case.config.get("TIMEOUT_S", 1800)))
     return metrics_from_log(log, metrics)
 
 
@@ -159,11 +165,7 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
                                       f"{generate_command(case)}")
     output_dir = output_dir or tempfile.mkdtemp(prefix=f"functional_{case.name.replace('/', '_')}_")
     os.makedirs(output_dir, exist_ok=True)
-    checkpoints = os.path.join(output_dir, "checkpoints")
-    shutil.rmtree(checkpoints, ignore_errors=True)
-    placeholders = {"OUTPUT_PATH": output_dir, "CHECKPOINT_SAVE_PATH": checkpoints,
-                    "CHECKPOINT_LOAD_PATH": checkpoints, "TENSORBOARD_PATH": os.path.join(output_dir, "tensorboard"),
-                    "DATA_PATH": data_path or os.environ.get("DATA_PATH", "")}
+    placeholders = fresh_placeholders(output_dir, data_path)
     env = environment(case)
     timeout_s = float(case.config.get("TIMEOUT_S", 1800))
     metrics = list(case.config["METRICS"])
@@ -186,10 +188,8 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
     if actual_2nd is not None:  # the resumed steps must reproduce run 1
         first_resumed = int(case.config["RESUME_STEP"]) + 1
         resumed_metrics = [m for m in metrics if m in ("lm loss", "num-zeros")]
-        run_1_as_restarted = as_logged_after_restart(actual, first_resumed, int(case.config["MODEL_ARGS"].get(
-            "--log-interval", 100)))
-        results += [CheckResult(r.metric, f"resume vs run 1, {r.test}", r.passed, r.message) for r in compare_metrics(
-            run_1_as_restarted, actual_2nd, resumed_metrics, case.allow_nondeterministic)]
+        results += [CheckResult(r.metric, f"resume vs run 1, {r.test}", r.passed, r.message) for r in compare_resumed(
+            actual, actual_2nd, first_resumed, resumed_metrics, case.allow_nondeterministic)]
     if generate:
         _write_json(case.golden_path(), actual)
         written = [case.golden_path()]

@@ -19,7 +19,8 @@ COMMON_PUT_ERRORS = [
 
 
 def put_arguments(case: str, hidden: int, tokens: int = 3, topk: int = 2):
-    """(src [tokens, hidden], dest_rank, dest_row, peer_table) with `case`'s defect, if common."""
+    """(src [tokens, hidden], dest_rank, dest_row, peer_table) with `case`'s defect, if common.
+    Skips the calling test for "cpu" under TRITON_INTERPRET=1, where CPU tensors are legal."""
     src = torch.zeros(tokens, hidden)
     dest_rank = torch.zeros(tokens, topk, dtype=torch.int32)
     dest_row = torch.zeros(tokens, topk, dtype=torch.int32)

@@ -4,6 +4,7 @@ Every case's and example script's flags are parsed by Megatron's parser with the
 
 import math
 import os
+import runpy
 import shlex
 import subprocess
 import sys
@@ -123,25 +124,37 @@ def test_restrict_steps_keeps_the_resumed_part():
     assert (resumed["start_step"], resumed["end_step"], len(resumed["values"])) == (26, 50, 25)
 
 
+H200_RUN_1 = {"lm loss": golden({25: 0.2418327, 26: 0.2502398, 27: 0.1761144, 28: 0.1448189}),
+              "num-zeros": golden({25: 1.0, 26: 2.0, 27: 3.0, 28: 4.0})}
 
-def test_run_1_as_logged_after_a_restart_averages_the_second_resumed_step():
-    # The H200 ckpt-resume run: Megatron's second logged iteration after the restart (27)
-    # printed the mean of run 1's steps 26 and 27, for lm loss only.
-    run_1 = {"lm loss": golden({25: 0.2418327, 26: 0.2502398, 27: 0.1761144, 28: 0.1448189}),
-             "num-zeros": golden({25: 1.0, 26: 2.0, 27: 3.0, 28: 4.0})}
-    restarted = compare.as_logged_after_restart(run_1, 26, log_interval=1)
-    assert compare.values_by_step(restarted["lm loss"]) == {26: 0.2502398, 27: 0.2131771, 28: 0.1448189}
-    assert compare.values_by_step(restarted["num-zeros"]) == {26: 2.0, 27: 3.0, 28: 4.0}
-    resumed = {"lm loss": golden({26: 0.2502398, 27: 0.2131771, 28: 0.1448189})}
-    assert not failed(compare.compare_metrics(restarted, resumed, ["lm loss"], allow_nondeterministic=False))
-    plain = compare.restrict_steps(run_1, 26)  # without the averaging the exact check fails
-    assert failed(compare.compare_metrics(plain, resumed, ["lm loss"], allow_nondeterministic=False))
-    with pytest.raises(ValueError, match="--log-interval 1"):
-        compare.as_logged_after_restart(run_1, 26, log_interval=10)
+
+def test_resumed_run_is_compared_with_megatrons_restart_average_at_its_second_step():
+    # The H200 ckpt-resume run: after the restart at 26, Megatron printed step 27 as the mean of
+    # run 1's steps 26 and 27 (lm loss only); every other step reproduces run 1 exactly.
+    resumed = {"lm loss": golden({26: 0.2502398, 27: 0.2131771, 28: 0.1448189}),
+               "num-zeros": golden({26: 2.0, 27: 3.0, 28: 4.0})}
+    results = compare.compare_resumed(H200_RUN_1, resumed, 26, ["lm loss", "num-zeros"], False)
+    assert not failed(results) and any("mean of steps 26-27" in r.test for r in results)
+    # one printed unit off at the averaged step (Megatron averages unrounded values): still a pass
+    off_by_a_unit = {**resumed, "lm loss": golden({26: 0.2502398, 27: 0.2131772, 28: 0.1448189})}
+    assert not failed(compare.compare_resumed(H200_RUN_1, off_by_a_unit, 26, ["lm loss"], False))
+    # a resumed run that really differs fails: at the averaged step, and at any other step
+    wrong_mean = {"lm loss": golden({26: 0.2502398, 27: 0.1761144, 28: 0.1448189})}
+    assert failed(compare.compare_resumed(H200_RUN_1, wrong_mean, 26, ["lm loss"], False))
+    wrong_later = {"lm loss": golden({26: 0.2502398, 27: 0.2131771, 28: 0.1448190})}
+    assert failed(compare.compare_resumed(H200_RUN_1, wrong_later, 26, ["lm loss"], False))
+    missing = {"lm loss": golden({26: 0.2502398, 28: 0.1448189})}
+    assert failed(compare.compare_resumed(H200_RUN_1, missing, 26, ["lm loss"], False))
+
+
+def test_printed_unit_is_the_last_of_seven_digits():
+    assert compare._printed_unit(0.2131771) == pytest.approx(1e-7)
+    assert compare._printed_unit(10.57882) == pytest.approx(1e-5)
+    assert compare._printed_unit(0.0) == 0.0 and compare._printed_unit(float("nan")) == 0.0
 
 
 def test_megatron_training_log_still_skips_the_first_reset():
-    """as_logged_after_restart models this line of megatron.training 0.19.2; fail loudly if it changes."""
+    """compare_resumed models this line of megatron.training 0.19.2; fail loudly if it changes."""
     import inspect
 
     from megatron.training import training
@@ -149,7 +162,7 @@ def test_megatron_training_log_still_skips_the_first_reset():
     source = inspect.getsource(training.training_log)
     assert "should_reset = not is_first_iteration" in source, (
         "megatron.training.training_log changed how it resets its loss accumulator after the first "
-        "iteration; update tests/functional_tests/compare.py:as_logged_after_restart")
+        "iteration; update tests/functional_tests/compare.py:compare_resumed")
 
 
 # ---- logs -----------------------------------------------------------------------------------------
@@ -232,7 +245,6 @@ def test_cpu_case_has_golden_values_in_megatrons_format():
     assert "iteration-time" not in case.config["METRICS"], "iteration time is not compared on CPU"
 
 
-
 def test_h200_golden_values_cover_every_step_of_the_single_gpu_cases():
     regular = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu").load_golden()
     assert set(regular) == {"lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes"}
@@ -243,22 +255,31 @@ def test_h200_golden_values_cover_every_step_of_the_single_gpu_cases():
     first, second = resume.load_golden(), resume.load_golden(second_run=True)
     assert sorted(compare.values_by_step(first["lm loss"])) == list(range(1, 51))
     assert sorted(compare.values_by_step(second["lm loss"])) == list(range(26, 51))
-    # the resumed run's golden values are run 1's as logged after a restart at step 26
-    assert not failed(compare.compare_metrics(compare.as_logged_after_restart(first, 26, 1), second,
-                                              ["lm loss", "num-zeros"], allow_nondeterministic=False))
+    # the resumed run's golden values reproduce run 1's from step 26 (restart average at 27)
+    assert not failed(compare.compare_resumed(first, second, 26, ["lm loss", "num-zeros"], False))
 
 
 def test_runner_says_no_golden_values_yet_instead_of_passing(monkeypatch, tmp_path):
+    cases = tmp_path / "cases"
+    for name, extra in (("regular", ""), ("resume", "RESUME_STEP: 2\n")):
+        case_dir = cases / "gpt" / name
+        case_dir.mkdir(parents=True)
+        test_type = "ckpt-resume" if name == "resume" else "regular"
+        (case_dir / "model_config.yaml").write_text(
+            f"SCRIPT: examples/pretrain_gpt.py\nTEST_TYPE: {test_type}\n{extra}NEEDS_GPUS: 1\nMETRICS:\n  - lm loss\n"
+            f"MODEL_ARGS:\n  --log-interval: 1\n")
+    monkeypatch.setattr(case_config, "TEST_CASES_DIR", str(cases))
     monkeypatch.setattr(runner, "visible_gpus", lambda: 8)
-    for name in ("gpt/moe_rowwise_1gpu", "gpt/moe_rowwise_1gpu_ckpt_resume", "gpt/moe_rowwise_ep8_folding"):
-        case = case_config.FunctionalCase.load(name)
-        if case.load_golden() is not None:
-            continue  # generated on the GPUs since
+    monkeypatch.setattr(runner, "run_training", lambda *a, **k: pytest.fail("no training may start"))
+    for name in ("gpt/regular", "gpt/resume"):
         outcome = runner.run_case(name, str(tmp_path / "out"))
         assert outcome.code == runner.NO_GOLDEN, outcome.summary
         assert "NO GOLDEN VALUES YET" in outcome.summary and f"--case {name} --generate" in outcome.summary
-        assert not (tmp_path / "out").exists(), "no training may start without golden values"
-
+        assert not (tmp_path / "out").exists(), "no output may be written without golden values"
+    # with run 1's golden values present, a ckpt-resume case still needs the second run's
+    (cases / "gpt" / "resume" / "golden_values_dev_h200.json").write_text("{}")
+    outcome = runner.run_case("gpt/resume", str(tmp_path / "out"))
+    assert outcome.code == runner.NO_GOLDEN and "golden_values_dev_h200_2nd.json" in outcome.summary
 
 def test_gpu_cases_skip_without_gpus(monkeypatch):
     monkeypatch.setattr(runner, "visible_gpus", lambda: 0)
@@ -289,21 +310,28 @@ def _case_argv(name):
             + case_config.model_args_to_argv(case.config.get("RESUME_ARGS") or {}, placeholders))
 
 
-@pytest.mark.parametrize("source", ["examples/run_1gpu.sh", "examples/run_8gpu_folding.sh", "gpt/moe_rowwise_1gpu",
-                                    "gpt/moe_rowwise_1gpu_ckpt_resume", "gpt/moe_rowwise_ep8_folding"])
-def test_gpu_flags_parse_and_validate(source, monkeypatch):
+def _parse_with_hook(argv, monkeypatch):
+    """Megatron's parse_args on `argv` with the launcher's hook installed (as pretrain_gpt.py sees it)."""
     from megatron.training import arguments
 
     from megatron_ext import launch, specs
 
-    argv = _script_argv(os.path.join(REPO_ROOT, source)) if source.endswith(".sh") else _case_argv(source)
     uninstall = launch.install()
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
     try:
-        args = arguments.parse_args()
+        return arguments.parse_args()
     finally:
         uninstall()
         monkeypatch.setattr(specs, "_default_ext_config", None)
+
+
+@pytest.mark.parametrize("source", ["examples/run_1gpu.sh", "examples/run_8gpu_folding.sh", "gpt/moe_rowwise_1gpu",
+                                    "gpt/moe_rowwise_1gpu_ckpt_resume", "gpt/moe_rowwise_ep8_folding"])
+def test_gpu_flags_parse_and_validate(source, monkeypatch):
+    from megatron_ext import launch
+
+    argv = _script_argv(os.path.join(REPO_ROOT, source)) if source.endswith(".sh") else _case_argv(source)
+    args = _parse_with_hook(argv, monkeypatch)
     assert args.spec == launch.EXT_SPEC and args.moe_ext_dispatcher == "rowwise" and args.moe_ext_transport == "symm"
     assert args.train_iters >= 50 and args.log_interval == 1
     if "8gpu" in source or "ep8" in source:
@@ -341,3 +369,51 @@ def test_a_ckpt_resume_case_without_log_interval_1_is_rejected(tmp_path, monkeyp
     monkeypatch.setattr(case_config, "TEST_CASES_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="needs '--log-interval: 1'"):
         case_config.FunctionalCase.load("gpt/resume_bad")
+
+
+BENCH_TRAINING = runpy.run_path(os.path.join(REPO_ROOT, "tools", "bench_training.py"), run_name="tool")
+
+
+@pytest.mark.parametrize("variant", sorted(BENCH_TRAINING["VARIANTS"]))
+def test_bench_training_variants_parse_and_validate(variant, monkeypatch):
+    """Each variant's flags, appended to the case's, pass Megatron's parser and our validation
+    and select what the variant's name says."""
+    from megatron_ext import launch
+
+    argv = _case_argv("gpt/moe_rowwise_1gpu") + BENCH_TRAINING["VARIANTS"][variant] + ["--train-iters", "30"]
+    args = _parse_with_hook(argv, monkeypatch)
+    expected_spec = ["megatron.training.models.gpt", "default_layer_spec"] if variant == "megatron" else launch.EXT_SPEC
+    assert args.spec == expected_spec and args.train_iters == 30
+    assert args.moe_ext_dispatcher == ("megatron" if variant == "ext_experts" else "rowwise")
+    assert args.moe_ext_dropless == (variant == "rowwise_dropless")
+    assert args.moe_ext_cuda_graphs == (variant == "rowwise_graphs")
+
+
+def test_train_variant_appends_flags_and_reads_the_log(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_training(command, env, log_path, timeout_s):
+        seen.update(command=command, env=env, log_path=log_path, timeout_s=timeout_s)
+        return MEGATRON_LOG
+
+    (tmp_path / "checkpoints").mkdir()  # a stale checkpoint folder must not survive into the run
+    monkeypatch.setattr(runner, "run_training", fake_training)
+    case = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu")
+    values = runner.train_variant(case, ["--moe-ext-dropless"], str(tmp_path), "dropless", ["lm loss", "num-zeros"])
+    assert seen["command"][-1] == "--moe-ext-dropless" and "megatron_ext.launch" in seen["command"]
+    assert seen["log_path"] == str(tmp_path / "dropless.log") and seen["timeout_s"] == 1200.0
+    assert seen["env"]["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0" and not (tmp_path / "checkpoints").exists()
+    assert values == log_metrics.metrics_from_log(MEGATRON_LOG, ["lm loss", "num-zeros"]) and "lm loss" in values
+
+
+@pytest.mark.parametrize("overrides, match", [("  iteration-tim: 0.15\n", "must name one of METRICS"),
+                                              ("  lm loss: -1\n", "positive rtol")])
+def test_rtol_overrides_are_validated(overrides, match, tmp_path, monkeypatch):
+    case_dir = tmp_path / "gpt" / "bad_rtol"
+    case_dir.mkdir(parents=True)
+    (case_dir / "model_config.yaml").write_text(
+        "SCRIPT: examples/pretrain_gpt.py\nTEST_TYPE: regular\nMETRICS:\n  - lm loss\n  - iteration-time\n"
+        f"MODEL_ARGS:\n  --log-interval: 1\nRTOL_OVERRIDES:\n{overrides}")
+    monkeypatch.setattr(case_config, "TEST_CASES_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=match):
+        case_config.FunctionalCase.load("gpt/bad_rtol")

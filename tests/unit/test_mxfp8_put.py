@@ -17,7 +17,6 @@ from tests.unit.interpreter import run_under_interpreter
 from tests.unit.put_arguments import COMMON_PUT_ERRORS, put_arguments
 
 
-
 def test_fused_put_bit_exact_under_interpreter():
     stdout = run_under_interpreter("_mxfp8_put_interp.py")
     assert " 0 mismatches" in stdout, stdout

@@ -20,13 +20,13 @@ def curve(values):
 def test_close_curves_give_a_small_window_difference():
     bf16 = curve([10.0, 9.0, 8.0, 7.0, 6.0])
     mxfp8 = curve([10.0, 9.1, 8.0, 7.06, 6.03])
-    result = TOOL["compare"](bf16, mxfp8, window=2)
+    result = TOOL["compare"](bf16, mxfp8, window=2, warmup=1)
     assert result["steps"] == [1, 2, 3, 4, 5] and result["window"] == [4, 5]
     assert math.isclose(result["window_mean_bf16"], 6.5) and math.isclose(result["window_mean_mxfp8"], 6.545)
     assert math.isclose(result["window_rel_diff"], 0.045 / 6.5)
     assert math.isclose(result["max_abs_diff"], 0.1, rel_tol=1e-9)
     assert result["all_finite"] and result["loss_fell"]
-    assert math.isclose(result["iteration_time_s"]["bf16"], 0.35)  # median of steps 2..5 (warm-up 1/5 skipped)
+    assert math.isclose(result["iteration_time_s"]["bf16"], 0.35)  # median of steps 2..5 (after 1 warm-up step)
 
 
 def test_a_nan_or_a_diverging_curve_is_reported():
@@ -55,3 +55,8 @@ def test_bench_training_rejects_unknown_variants_and_too_few_steps(capsys):
     with pytest.raises(SystemExit):
         BENCH["main"](["--train-iters", "5", "--warmup", "10"])
     assert "must exceed --warmup" in capsys.readouterr().err
+
+
+def test_bench_training_summary_without_steady_steps_is_an_error():
+    with pytest.raises(ValueError, match="after the 10 warm-up steps"):
+        BENCH["summarize"](curve([3.0, 2.0]), warmup=10, window=2)
