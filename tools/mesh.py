@@ -29,34 +29,24 @@ from megatron_ext.parallel.memory import (  # noqa: E402
 MODEL_FLAGS = ("layers", "hidden", "moe_ffn", "experts", "topk", "vocab")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _number_at_least(kind: type, bound: float, strict: bool):
+    """argparse type: a `kind` value >= bound (> bound when strict), with a message saying what was wrong."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not (value > bound if strict else value >= bound):
+            raise argparse.ArgumentTypeError(f"expected {noun} {'>' if strict else '>='} {bound}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
+positive_int = _number_at_least(int, 1, strict=False)
+non_negative_int = _number_at_least(int, 0, strict=False)
+positive_float = _number_at_least(float, 0, strict=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

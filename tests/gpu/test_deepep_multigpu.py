@@ -19,6 +19,10 @@ import os
 import pytest
 import torch
 
+from tests.gpu.ep_layers import EXPERTS_PER_RANK, SAFE_ENV, SHAPE
+from tests.gpu.ep_layers import ep_layer as _layer
+from tests.gpu.ep_layers import ep_step as _step
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None,
@@ -26,33 +30,8 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs"),
 ]
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-SHAPE = dict(hidden=1024, ffn=512, topk=4)
 TOKENS = 1024
 NAMES = ("output", "input grad", "router grad", "fc1 grad", "fc2 grad")
-
-
-def _layer(transport, world, weights, **ext):
-    from megatron_ext.config import MoEExtConfig
-    from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import load_weights, moe_config
-
-    config = moe_config(**SHAPE, experts=4 * world, ep=world, dtype=torch.bfloat16, use_cpu_initialization=False,
-                        moe_router_dtype="fp32")
-    layer = moe_builder(MoEExtConfig(transport=transport, **ext))(config=config).cuda()
-    load_weights(layer, weights)
-    return layer
-
-
-def _step(layer, x, g):
-    for p in layer.parameters():
-        p.grad = None
-    x = x.clone().requires_grad_(True)
-    out, _ = layer(x)
-    out.backward(g)
-    return (out.detach().float(), x.grad.float(), layer.router.weight.grad.float(),
-            layer.experts.fc1_weight.grad.float(), layer.experts.fc2_weight.grad.float(),
-            layer.token_dispatcher.route_map.dest_row.clone())
 
 
 def _parity(rank, world, weights, x, g, ext):
@@ -138,7 +117,7 @@ def _rank_main(rank, world, port):
     from tests.reference import MoEWeights
 
     init_megatron_parallel(ParallelSizes(ep=world))
-    weights = MoEWeights.random(4 * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
+    weights = MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     inputs = [(torch.randn(TOKENS, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16(),
                torch.randn(TOKENS, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16()) for _ in range(2)]

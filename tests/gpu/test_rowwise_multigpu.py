@@ -9,32 +9,14 @@ import os
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")]
+from tests.gpu.ep_layers import EXPERTS_PER_RANK, SAFE_ENV, SHAPE, ep_layer
+from tests.gpu.ep_layers import ep_step as _step
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-SHAPE = dict(hidden=1024, ffn=512, topk=4)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")]
 
 
 def _layer(transport, world, weights, **ext):
-    from megatron_ext.config import MoEExtConfig
-    from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import load_weights, moe_config
-
-    config = moe_config(**SHAPE, experts=4 * world, ep=world, dtype=torch.bfloat16, use_cpu_initialization=False,
-                        moe_router_dtype="fp32")
-    layer = moe_builder(MoEExtConfig(transport=transport, dropless=True, **ext))(config=config).cuda()
-    load_weights(layer, weights)
-    return layer
-
-
-def _step(layer, x, g):
-    for p in layer.parameters():
-        p.grad = None
-    x = x.clone().requires_grad_(True)
-    out, _ = layer(x)
-    out.backward(g)
-    return (out.detach().float(), x.grad.float(), layer.router.weight.grad.float(),
-            layer.experts.fc1_weight.grad.float(), layer.token_dispatcher.route_map.dest_row.clone())
+    return ep_layer(transport, world, weights, dropless=True, **ext)
 
 
 def _rank_main(rank, world, port):
@@ -46,14 +28,14 @@ def _rank_main(rank, world, port):
     from tests.reference import MoEWeights, assert_close
 
     init_megatron_parallel(ParallelSizes(ep=world))
-    weights = MoEWeights.random(4 * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
+    weights = MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     inputs = [(torch.randn(1024, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16(),
                torch.randn(1024, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16()) for _ in range(2)]
     x, g = inputs[0]
     ref = _step(_layer("torch", world, weights), x, g)
     symm = _step(_layer("symm", world, weights), x, g)
-    assert torch.equal(ref[4], symm[4]), "keep decisions / rows differ between transports"
+    assert torch.equal(ref[5], symm[5]), "keep decisions / rows differ between transports"
     for name, a, b in zip(("output", "input grad", "router grad", "fc1 grad"), symm, ref):
         assert_close(a, b, 2e-2, f"rank {rank} symm vs torch {name}")
     poisoned = _layer("symm", world, weights, debug_poison=True)
