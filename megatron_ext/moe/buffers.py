@@ -1,4 +1,4 @@
-"""Symmetric capacity buffers, shared scratch, and autograd-held leases (DESIGN 3.6).
+"""Symmetric capacity buffers, shared scratch, and autograd-held leases (docs/design.md, "Buffers").
 
 A `SymmetricBuffer` is one [C, H] tensor per EP rank plus a device int64 table of every
 rank's base address, so Triton kernels can store into / load from peers directly. With one
@@ -6,17 +6,26 @@ rank (EP=1) the table holds the local buffer only and nothing is exchanged.
 
 Allocation is collective (torch.distributed._symmetric_memory.empty + rendezvous), so it
 happens once per (group, shape, role), at the first forward, in the same order on every rank.
+A `SymmetricHeap` does the allocating; `TorchSymmetricHeap` is the real one, and tests run the
+transport on simulated peers through another (megatron_ext.testing.threaded_peers).
+
 The dispatch buffer feeds the up-projection, whose saved input Wgrad reads in backward: it
 comes from a `LeasePool` of slots, each held from the dispatch until its backward returns it.
 Running out of slots raises (it never overwrites a live payload). Expert-output and gradient
 exchange buffers are scratch, shared by all layers: every phase that reads them is fenced by
 a device-side barrier after its writers, and every writer runs after the previous phase's
-readers (both orders follow from the per-layer barrier sequence, see transport/symm.py).
+readers (both orders follow from the per-layer barrier sequence; docs/design.md, "Ordering").
+
+Debug poison (NaN fill of a buffer so that a stale row shows up) is itself a write into memory
+that peers write too, so it is ordered like one: the owner fills, then barriers with the group,
+and only then may a peer PUT into the buffer (`poison_then_fence`). Without the barrier a fast
+peer's rows can land before the owner's fill and be wiped (found on two H200s).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,12 +35,26 @@ import torch.distributed as dist
 class SymmetricBuffer:
     local: torch.Tensor  # [C, H] this rank's buffer
     peer_table: torch.Tensor  # [M] int64 base addresses, on the device
-    handle: object = None  # torch symmetric-memory handle (None with one rank)
+    handle: object = None  # object with .barrier(channel=0) (None with one rank)
 
     def barrier(self) -> None:
         """Device-side barrier over the EP group: all peers' prior writes are visible after it."""
         if self.handle is not None:
             self.handle.barrier(channel=0)
+
+
+def poison_then_fence(buffer: SymmetricBuffer) -> None:
+    """NaN-fill this rank's buffer, then barrier, so no peer's later PUT is wiped by the fill."""
+    buffer.local.fill_(float("nan"))
+    buffer.barrier()
+
+
+class SymmetricHeap(Protocol):
+    """Collective allocator of one EP group: every rank calls in the same order."""
+
+    def allocate(self, shape, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer: ...
+
+    def scratch(self, role: str, shape, dtype: torch.dtype, device: torch.device) -> SymmetricBuffer: ...
 
 
 def allocate_symmetric(shape, dtype: torch.dtype, device: torch.device, group) -> SymmetricBuffer:
@@ -58,6 +81,19 @@ def shared_scratch(role: str, shape, dtype, device, group) -> SymmetricBuffer:
     return _scratch[key]
 
 
+@dataclass(frozen=True)
+class TorchSymmetricHeap:
+    """torch symmetric memory over `group` (None: one rank, plain local tensors)."""
+
+    group: object = None
+
+    def allocate(self, shape, dtype, device) -> SymmetricBuffer:
+        return allocate_symmetric(shape, dtype, device, self.group)
+
+    def scratch(self, role, shape, dtype, device) -> SymmetricBuffer:
+        return shared_scratch(role, shape, dtype, device, self.group)
+
+
 @dataclass
 class Lease:
     pool: "LeasePool"
@@ -76,7 +112,12 @@ class Lease:
 
 @dataclass
 class LeasePool:
-    """`num_slots` dispatch buffers of one layer; a slot is live from dispatch to its backward."""
+    """`num_slots` dispatch buffers of one layer; a slot is live from dispatch to its backward.
+
+    Every rank acquires and frees in the same order (one schedule per EP group), so slot i of
+    one rank pairs with slot i of its peers. A peer's PUT into slot i of the next microbatch is
+    ordered after this rank's last read of slot i by the dispatch-backward barrier.
+    """
 
     slots: list[SymmetricBuffer]
     poison: bool = False
@@ -85,19 +126,25 @@ class LeasePool:
     def __post_init__(self):
         self.busy = [False] * len(self.slots)
 
-    def acquire(self) -> Lease:
-        for slot, taken in enumerate(self.busy):
-            if not taken:
-                self.busy[slot] = True
-                if self.poison:
-                    self.slots[slot].local.fill_(float("nan"))  # unwritten rows must never be read
-                return Lease(self, slot)
-        raise RuntimeError(
-            f"all {len(self.slots)} dispatch-buffer slot(s) of this MoE layer hold live microbatches "
-            f"(forward ran again before the previous backward); raise --moe-ext-lease-slots "
-            f"(MoEExtConfig.lease_slots) to the number of microbatches in flight per layer")
+    def acquire(self, slot: int | None = None) -> Lease:
+        """The first free slot (or `slot`, which must be free). With poison: fill, then fence."""
+        free = [i for i, taken in enumerate(self.busy) if not taken]
+        if slot is None and free:
+            slot = free[0]
+        if slot is None or slot not in free:
+            what = f"slot {slot} is" if slot is not None else f"all {len(self.slots)} dispatch-buffer slot(s) of this MoE layer"
+            raise RuntimeError(
+                f"{what} hold(s) a live microbatch (forward ran again before the previous backward); raise "
+                f"--moe-ext-lease-slots (MoEExtConfig.lease_slots) to the number of microbatches in flight per layer")
+        self.busy[slot] = True
+        if self.poison:
+            poison_then_fence(self.slots[slot])  # unwritten rows must never be read
+        return Lease(self, slot)
 
     def _free(self, slot: int) -> None:
+        # The next acquire of this slot poisons (and fences) again before any peer writes it.
+        # Filling here as well marks rows read after their release; it cannot wipe a peer's
+        # next rows: they follow the peer's acquire fence, which this rank reaches after this.
         self.busy[slot] = False
         if self.poison:
             self.slots[slot].local.fill_(float("nan"))

@@ -79,7 +79,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
         self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
-                               compiled=self.ext_config.compile_route_map and hidden.is_cuda)
+                               compiled=self.ext_config.compile_route_map and hidden.is_cuda,
+                               gather_counts=getattr(self.transport, "gather_counts", None))
         dispatch = dispatch_rows_mxfp8 if self.ext_config.mxfp8_dispatch else dispatch_rows
         buffer, self.lease = dispatch(hidden, self.transport, self.route_map)
         self.row_bytes = dispatch_row_bytes(hidden.shape[1], hidden.dtype, self.ext_config.mxfp8_dispatch)

@@ -228,14 +228,20 @@ def _fused(fn):
 _fused_plan_and_build = _fused(_plan_and_build)
 
 
-def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None, compiled: bool = False) -> RouteMap:
+def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None, compiled: bool = False,
+          gather_counts=None, ep_rank: int | None = None) -> RouteMap:
     """Count, all-gather over the EP group, plan the keep decision, build this rank's map.
 
     `compiled=True` fuses the planning and map building with torch.compile (GPU training:
     identical results, far fewer kernel launches); the count all-gather stays outside.
+    `gather_counts(counts [E]) -> [M, E]` replaces the NCCL/gloo all-gather (the symm
+    transport exchanges counts over symmetric memory); `ep_rank` then names this rank when no
+    process group does (simulated peers in tests).
     """
-    ep_rank = 0 if group is None else dist.get_rank(group)
-    requested_all = all_gather_counts(count_routes(top_idx, num_experts), group)
+    if ep_rank is None:
+        ep_rank = 0 if group is None else dist.get_rank(group)
+    counts = count_routes(top_idx, num_experts)
+    requested_all = gather_counts(counts) if gather_counts is not None else all_gather_counts(counts, group)
     plan_and_build = _fused_plan_and_build if compiled else _plan_and_build
     *maps, requested, kept, dropped, fill = plan_and_build(top_idx, requested_all, ep_rank, capacity)
     return RouteMap(*maps, RouteMetrics(requested, kept, dropped, fill))

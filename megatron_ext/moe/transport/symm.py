@@ -7,10 +7,16 @@ buffer in place. Costs accepted: a device-side barrier over the EP group after e
 and before every GET phase (none with one rank), and, with EP > 1, one [C, H] copy per GET phase into
 the shared symmetric scratch (torch._grouped_mm cannot write into a given buffer).
 
-Ordering (one stream per rank, DESIGN 3.5): a PUT phase writes peers' buffers, then barriers,
-so its readers see every row. A GET phase first copies its source into scratch, barriers, then
-reads peers. A scratch buffer is rewritten only after the barrier of a later phase, which every
-rank reaches after finishing its reads of the previous phase.
+Ordering (one stream per rank; docs/design.md, "Ordering"): a PUT phase writes peers' buffers,
+then barriers, so its readers see every row. A GET phase first copies its source into scratch,
+barriers, then reads peers. A scratch buffer is rewritten only after the barrier of a later
+phase, which every rank reaches after finishing its reads of the previous phase. Debug poison
+of a buffer that peers PUT into is fenced before the PUT (buffers.poison_then_fence).
+
+The per-layer route-count exchange also runs over symmetric memory (`gather_counts`): each rank
+PUTs its [E] counts into row `rank` of every peer's [M, E] table, then barriers. No NCCL call is
+left in the layer, so a CUDA graph of it holds no NCCL work (a graph that does keeps
+destroy_process_group from returning, pytorch/pytorch#115388).
 Works with one GPU (EP=1: the tables hold local buffers only) and with GPUs in one NVLink
 domain (CUDA backend of torch symmetric memory, whose buffer_ptrs are peer-mapped addresses).
 """
@@ -22,19 +28,27 @@ import torch.distributed as dist
 
 from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
 from megatron_ext.kernels.row_transfer import get_rows, put_rows
-from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, allocate_symmetric, shared_scratch
+from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, SymmetricHeap, TorchSymmetricHeap, poison_then_fence
 from megatron_ext.moe.mxfp8 import packed_row_bytes
 from megatron_ext.moe.route_map import RouteMap
 
 
 class SymmRowTransport:
-    def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False):
-        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+    def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False,
+                 heap: SymmetricHeap | None = None, rank: int | None = None, world: int | None = None):
+        """`heap`, `rank` and `world` replace the process group's (simulated peers in tests)."""
+        if heap is None:
+            group = group if group is not None and dist.get_world_size(group) > 1 else None
+            world = 1 if group is None else dist.get_world_size(group)
+            rank = 0 if group is None else dist.get_rank(group)
+            heap = TorchSymmetricHeap(group)
+        self.heap, self.rank, self.world = heap, rank, world
         self.capacity = capacity
         self.lease_slots = lease_slots
         self.poison = poison
         self.pool: LeasePool | None = None
         self._local_tables: dict[str, torch.Tensor] = {}
+        self._counts: SymmetricBuffer | None = None
 
     def _ensure_buffers(self, row_width: int, dtype: torch.dtype, device: torch.device) -> None:
         """Dispatch slots hold payload rows (BF16 tokens, or packed MXFP8 viewed as float32)."""
@@ -45,16 +59,31 @@ class SymmRowTransport:
                                  f"{local.dtype}, got {row_width} {dtype}: row size and dtype must stay fixed")
             return
         shape = (self.capacity, row_width)
-        slots = [allocate_symmetric(shape, dtype, device, self.group) for _ in range(self.lease_slots)]
+        slots = [self.heap.allocate(shape, dtype, device) for _ in range(self.lease_slots)]
         self.pool = LeasePool(slots, poison=self.poison)
 
     def _scratch(self, role: str, rows_like: torch.Tensor):
         """Shared [C, H] scratch for BF16 rows shaped like `rows_like` (combine and backward)."""
-        shape = (self.capacity, rows_like.shape[1])
-        buffer = shared_scratch(role, shape, rows_like.dtype, rows_like.device, self.group)
-        if self.poison:
-            buffer.local.fill_(float("nan"))
-        return buffer
+        return self.heap.scratch(role, (self.capacity, rows_like.shape[1]), rows_like.dtype, rows_like.device)
+
+    def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """[E] int32 route counts of every EP rank -> [M, E] (this layer's table; PUT + barrier).
+
+        A peer rewrites row r of this table at the layer's next forward, after passing this
+        forward's dispatch barrier, which this rank reaches only after the route map read it.
+        """
+        if self.world == 1:
+            return counts[None]
+        num_experts = counts.shape[0]
+        if self._counts is None:
+            self._counts = self.heap.allocate((self.world, num_experts), torch.float32, counts.device)
+            self._count_ranks = torch.arange(self.world, dtype=torch.int32, device=counts.device)[None]
+            self._count_rows = torch.full((1, self.world), self.rank, dtype=torch.int32, device=counts.device)
+        # int32 counts travel as float32 words (the PUT copies bits: no arithmetic without a scale).
+        put_rows(counts.to(torch.int32).view(torch.float32)[None], self._count_ranks, self._count_rows,
+                 self._counts.peer_table)
+        self._counts.barrier()
+        return self._counts.local.view(torch.int32)
 
     def dispatch(self, tokens: torch.Tensor, route: RouteMap):
         self._ensure_buffers(tokens.shape[1], tokens.dtype, tokens.device)
@@ -88,6 +117,8 @@ class SymmRowTransport:
 
     def combine_backward(self, grad_out: torch.Tensor, route: RouteMap, probs: torch.Tensor) -> torch.Tensor:
         target = self._scratch("combine_grad", grad_out)
+        if self.poison:  # peers PUT into this buffer next: fence the fill before them
+            poison_then_fence(target)
         put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, probs.float().contiguous())
         target.barrier()
         return target.local
@@ -104,14 +135,14 @@ class SymmRowTransport:
         With one rank nobody else reads them: point a one-entry table at `rows` instead (a
         fill_ kernel with the address as its scalar: no copy, no host transfer, capturable).
         """
-        if self.group is None:
+        if self.world == 1:
             table = self._local_tables.get(role)
             if table is None:
                 table = self._local_tables[role] = torch.empty(1, dtype=torch.int64, device=rows.device)
             table.fill_(rows.data_ptr())
             return SymmetricBuffer(rows, table)
         source = self._scratch(role, rows)
-        source.local.copy_(rows)
+        source.local.copy_(rows)  # every row rewritten: no poison needed
         source.barrier()
         return source
 

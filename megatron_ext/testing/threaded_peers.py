@@ -1,0 +1,126 @@
+"""Simulated EP ranks in one process: one thread per rank, CPU buffers as "symmetric memory".
+
+Each rank's SymmRowTransport gets a `RankHeap`: allocations are collective by call order, as
+with torch symmetric memory, and every rank's peer table holds the addresses of all ranks'
+CPU tensors, so the Triton row kernels (under TRITON_INTERPRET=1) store into and load from
+"peers" for real. A barrier is a threading.Barrier over the ranks. The interpreter runs a
+kernel to completion on the calling thread, so a thread's order is its "device" order and the
+only cross-rank ordering is the barrier: exactly the contract the GPU transport relies on.
+Delays between phases (`sleep`) reproduce a slow or fast peer deterministically.
+
+Triton's interpreter is not thread-safe, so `serialize_kernels` makes the transport's kernel
+entry points run one at a time (a kernel is atomic, as if the ranks shared one device queue);
+ranks still interleave freely between kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import torch
+
+from megatron_ext.moe.buffers import SymmetricBuffer
+
+
+class ThreadedPeers:
+    def __init__(self, world: int, timeout_s: float = 60.0):
+        self.world = world
+        self._barrier = threading.Barrier(world, timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._allocations: list[list[torch.Tensor]] = []
+        self.barriers_passed = [0] * world
+
+    def heap(self, rank: int) -> "RankHeap":
+        return RankHeap(self, rank)
+
+    def _collective_alloc(self, index: int, shape, dtype) -> list[torch.Tensor]:
+        with self._lock:
+            if index == len(self._allocations):
+                # zeros, not empty: a stale read in a test must be deterministic
+                self._allocations.append([torch.zeros(shape, dtype=dtype) for _ in range(self.world)])
+            buffers = self._allocations[index]
+        if buffers[0].shape != torch.Size(shape) or buffers[0].dtype != dtype:
+            raise RuntimeError(f"simulated ranks allocated out of order: allocation {index} is "
+                               f"{tuple(buffers[0].shape)} {buffers[0].dtype}, this rank asked for {tuple(shape)} {dtype}")
+        return buffers
+
+    def run(self, fn, *args) -> list:
+        """fn(rank, *args) on every rank's thread; returns the results, re-raises the first error."""
+        results, errors = [None] * self.world, [None] * self.world
+
+        def body(rank):
+            try:
+                results[rank] = fn(rank, *args)
+            except BaseException as error:  # noqa: BLE001 - reported below with its rank
+                errors[rank] = error
+                self._barrier.abort()  # never leave the other ranks waiting
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for rank, error in enumerate(errors):
+            if error is not None and not isinstance(error, threading.BrokenBarrierError):
+                raise RuntimeError(f"simulated rank {rank} failed: {type(error).__name__}: {error}") from error
+        for rank, error in enumerate(errors):
+            if error is not None:
+                raise RuntimeError(f"simulated rank {rank}: barrier broken") from error
+        return results
+
+
+class _Barrier:
+    def __init__(self, peers: ThreadedPeers, rank: int):
+        self.peers, self.rank = peers, rank
+
+    def barrier(self, channel: int = 0) -> None:
+        self.peers._barrier.wait()
+        self.peers.barriers_passed[self.rank] += 1
+
+
+class RankHeap:
+    """SymmetricHeap of one simulated rank."""
+
+    def __init__(self, peers: ThreadedPeers, rank: int):
+        self.peers, self.rank = peers, rank
+        self._count = 0
+        self._scratch: dict[tuple, SymmetricBuffer] = {}
+
+    def allocate(self, shape, dtype, device) -> SymmetricBuffer:
+        if torch.device(device).type != "cpu":
+            raise ValueError("simulated peers live on the CPU")
+        buffers = self.peers._collective_alloc(self._count, tuple(shape), dtype)
+        self._count += 1
+        table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+        return SymmetricBuffer(buffers[self.rank], table, _Barrier(self.peers, self.rank))
+
+    def scratch(self, role, shape, dtype, device) -> SymmetricBuffer:
+        key = (role, tuple(shape), dtype)
+        if key not in self._scratch:
+            self._scratch[key] = self.allocate(shape, dtype, device)
+        return self._scratch[key]
+
+
+def sleep_ms(ms: float) -> None:
+    if ms > 0:
+        time.sleep(ms / 1000)
+
+
+_KERNEL_LOCK = threading.Lock()
+
+
+def serialize_kernels(module, names=("put_rows", "get_rows", "put_rows_mxfp8")) -> None:
+    """Wrap `module`'s kernel entry points (e.g. moe.transport.symm) with one process-wide lock."""
+    for name in names:
+        fn = getattr(module, name, None)
+        if fn is None or getattr(fn, "_serialized", False):
+            continue
+
+        @functools.wraps(fn)
+        def locked(*args, _fn=fn, **kwargs):
+            with _KERNEL_LOCK:
+                return _fn(*args, **kwargs)
+        locked._serialized = True
+        setattr(module, name, locked)

@@ -1,0 +1,149 @@
+"""Ordering of the symm transport across simulated ranks, under Triton's CPU interpreter.
+
+Run in a fresh process with TRITON_INTERPRET=1 (tests/unit/test_symm_ordering.py does):
+
+    TRITON_INTERPRET=1 python tests/unit/_symm_ordering_interp.py [--unfenced-poison] [--case NAME]
+
+Two (or more) threads act as EP ranks over megatron_ext.testing.threaded_peers: the real
+SymmRowTransport and its Triton kernels write into each other's CPU buffers, and the only
+cross-rank order is the transport's own barriers. Every step draws fresh routes; a stand-in
+expert (x -> 2x on the valid rows, tails untouched) runs between dispatch and combine, so a
+stale or poisoned row read anywhere shows up in an output. Checked per rank, microbatch and
+step: output, token gradient and the leased dispatch rows at backward time against values
+computed from the route map alone. Adversarial delays (seeded, or one rank always late) make
+the fast peer's writes land as early as the barriers allow.
+
+--unfenced-poison replays the pre-fix poison (fill without a barrier): the run must then fail,
+which shows that the check can see the race. Exits 0 when every case passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+
+from megatron_ext.moe.capacity import rank_capacity
+from megatron_ext.moe.route_map import route
+from megatron_ext.moe.transport import symm
+from megatron_ext.moe.transport.symm import SymmRowTransport
+from megatron_ext.testing.threaded_peers import ThreadedPeers, serialize_kernels, sleep_ms
+
+serialize_kernels(symm)
+
+HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 32, 8, 2, 2
+
+# name: (world, capacity factor, lease slots, schedule, poison, delay mode, steps)
+# A schedule is the per-step order of forward (F) and backward (B) microbatches.
+CASES = {
+    "cf1.0_one_mb_poison_late_rank0": (2, 1.0, 1, "F0 B0", True, "late0", 6),
+    "cf1.25_one_mb_poison_random": (2, 1.25, 1, "F0 B0", True, "random", 20),
+    "cf1.0_two_mb_interleaved_poison": (2, 1.0, 2, "F0 F1 B0 B1", True, "random", 20),
+    "cf1.25_two_mb_reversed_no_poison": (2, 1.25, 2, "F0 F1 B1 B0", False, "random", 20),
+    "cf1.0_two_mb_late_rank1_poison": (2, 1.0, 2, "F0 F1 B1 B0", True, "late1", 6),
+    "ep4_cf1.0_poison_random": (4, 1.0, 1, "F0 B0", True, "random", 6),
+}
+
+
+def step_inputs(world: int, step: int, mb: int, rank: int):
+    """Fresh routes and values for (step, microbatch, rank): skewed towards expert 0 half the time."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * mb + rank)
+    num_experts = EXPERTS_PER_RANK * world
+    weights = torch.ones(num_experts)
+    if (step + mb) % 2:
+        weights[0] = 4.0 * num_experts  # a hot expert: drops at cf 1.0
+    top_idx = torch.stack([torch.multinomial(weights, TOPK, replacement=False, generator=gen)
+                           for _ in range(TOKENS)]).sort(1).values
+    tokens = torch.randn(TOKENS, HIDDEN, generator=gen)
+    probs = torch.rand(TOKENS, TOPK, generator=gen)
+    grad_out = torch.randn(TOKENS, HIDDEN, generator=gen)
+    return top_idx, tokens, probs, grad_out
+
+
+def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed):
+    num_experts = EXPERTS_PER_RANK * world
+    capacity = rank_capacity(TOKENS, TOPK, world, cf, False)
+    transport = SymmRowTransport(None, capacity, lease_slots=slots, poison=poison,
+                                 heap=PEERS.heap(rank), rank=rank, world=world)
+    rng = random.Random(seed * 97 + rank)
+    failures, dropped = [], 0
+
+    def wait():
+        if delay == "random":
+            sleep_ms(rng.uniform(0, 3))
+        elif delay == f"late{rank}":
+            sleep_ms(25)
+
+    for step in range(steps):
+        live = {}
+        for event in schedule.split():
+            kind, mb = event[0], int(event[1:])
+            wait()
+            if kind == "F":
+                top_idx, tokens, probs, _ = step_inputs(world, step, mb, rank)
+                rmap = route(top_idx, num_experts, capacity, gather_counts=transport.gather_counts, ep_rank=rank)
+                slot, lease = transport.dispatch(tokens, rmap)
+                valid = (torch.arange(capacity) < rmap.recv_offsets[-1])[:, None]
+                rows_at_dispatch = slot.clone()
+                wait()
+                out, _ = transport.combine(torch.where(valid, 2 * slot, slot), rmap, probs)
+                live[mb] = (rmap, lease, slot, valid, rows_at_dispatch, out.clone())
+            else:
+                rmap, lease, slot, valid, rows_at_dispatch, out = live.pop(mb)
+                top_idx, tokens, probs, grad_out = step_inputs(world, step, mb, rank)
+                kept = (rmap.dest_row >= 0).float()
+                dropped += int((rmap.dest_row < 0).sum())
+                weight = (kept * probs).sum(1, keepdim=True)
+                grad_rows = transport.combine_backward(grad_out, rmap, probs)
+                wait()
+                grad_tokens = transport.dispatch_backward(torch.where(valid, 2 * grad_rows, 0.0), rmap)
+                checks = {
+                    "output": (out, 2 * weight * tokens),
+                    "token gradient": (grad_tokens, 2 * weight * grad_out),
+                    "leased rows at backward": (torch.where(valid, slot, 0), torch.where(valid, rows_at_dispatch, 0)),
+                }
+                transport.release(lease)
+                for name, (got, want) in checks.items():
+                    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                        failures.append(f"rank {rank} step {step} mb {mb}: {name} wrong "
+                                        f"({int(torch.isnan(got).sum())} NaN, max err "
+                                        f"{float((got - want).nan_to_num(1e9).abs().max()):.3g})")
+    return failures, dropped
+
+
+def run_case(name: str, seed: int = 0):
+    global PEERS
+    world, cf, slots, schedule, poison, delay, steps = CASES[name]
+    PEERS = ThreadedPeers(world)
+    results = PEERS.run(rank_main, world, cf, slots, schedule, poison, delay, steps, seed)
+    failures = [f for rank_failures, _ in results for f in rank_failures]
+    dropped = sum(d for _, d in results)
+    return failures, dropped, PEERS.barriers_passed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--unfenced-poison", action="store_true")
+    parser.add_argument("--case", action="append", choices=sorted(CASES))
+    args = parser.parse_args()
+    if args.unfenced_poison:  # the pre-fix behaviour: fill without ordering against peers
+        from megatron_ext.moe import buffers
+
+        def unfenced(buffer):
+            buffer.local.fill_(float("nan"))
+        buffers.poison_then_fence = symm.poison_then_fence = unfenced
+    bad = 0
+    for name in args.case or CASES:
+        failures, dropped, barriers = run_case(name)
+        status = "FAIL" if failures else "ok"
+        print(f"{status} {name}: dropped routes {dropped}, barriers per rank {barriers}")
+        for line in failures[:5]:
+            print("   ", line)
+        bad += bool(failures)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

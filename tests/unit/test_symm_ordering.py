@@ -1,0 +1,28 @@
+"""The symm transport's ordering across EP ranks, on simulated peers (threads + Triton interpreter).
+
+The first two-GPU run found that debug poison wiped rows a faster peer had already PUT. These
+tests replay the transport's phases on 2 and 4 simulated ranks with fresh routes every step,
+drops (cf 1.0) and none (cf 1.25), one and two live microbatches in both backward orders, poison
+on and off, and delays that let one rank run ahead as far as the barriers allow.
+"""
+
+import os
+import subprocess
+import sys
+
+from tests.unit.interpreter import REPO, run_under_interpreter
+
+
+def test_symm_phases_are_ordered_on_simulated_ranks():
+    out = run_under_interpreter("_symm_ordering_interp.py", timeout=300)
+    assert out.count("\nok ") + out.startswith("ok ") == 6, out
+
+
+def test_unfenced_poison_is_caught():
+    """The pre-fix poison (NaN fill with no barrier before peers write) must fail the check."""
+    cases = ["--case", "cf1.0_one_mb_poison_late_rank0", "--case", "cf1.0_two_mb_late_rank1_poison"]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_symm_ordering_interp.py"),
+                           "--unfenced-poison", *cases], env=dict(os.environ, TRITON_INTERPRET="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.count("FAIL ") == 2 and "NaN" in proc.stdout, proc.stdout
