@@ -16,7 +16,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.capacity import rank_capacity
-from megatron_ext.moe.mxfp8_dispatch import dispatch_row_bytes, dispatch_rows_mxfp8
+from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, dispatch_row_bytes, dispatch_rows_mxfp8
 from megatron_ext.moe.route_map import RouteMap, route
 from megatron_ext.moe.row_autograd import combine_rows, dispatch_rows
 from megatron_ext.moe.transport import make_transport
@@ -49,6 +49,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.row_bytes = 0  # bytes per dispatched row (BF16 or packed MXFP8), set at dispatch
         self.routes_per_step = 0
         self.top_idx: torch.Tensor | None = None
+        self.payload = None  # MXFP8 payload between token_dispatch and dispatch_postprocess
         self.cudagraph_attrs = ["route_map", "top_idx"]
 
     @property
@@ -81,16 +82,22 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
                                compiled=self.ext_config.compile_route_map and hidden.is_cuda,
                                gather_counts=getattr(self.transport, "gather_counts", None))
-        dispatch = dispatch_rows_mxfp8 if self.ext_config.mxfp8_dispatch else dispatch_rows
-        buffer, self.lease = dispatch(hidden, self.transport, self.route_map)
+        if self.ext_config.mxfp8_dispatch:
+            buffer, self.payload, self.lease = dispatch_rows_mxfp8(hidden, self.transport, self.route_map)
+        else:
+            (buffer, self.lease), self.payload = dispatch_rows(hidden, self.transport, self.route_map), None
         self.row_bytes = dispatch_row_bytes(hidden.shape[1], hidden.dtype, self.ext_config.mxfp8_dispatch)
         self.routes_per_step = self.top_idx.numel()
         return buffer, probs
 
     def dispatch_postprocess(self, hidden: torch.Tensor, probs: torch.Tensor):
         self.probs = probs
-        # Counts stay on the device; the experts turn them into int32 end offsets.
-        return hidden, self.route_map.recv_counts, None
+        # Counts stay on the device; the experts turn them into int32 end offsets. An MXFP8
+        # payload goes with them, explicitly (never as an attribute of `hidden`).
+        counts = self.route_map.recv_counts
+        if self.payload is not None:
+            counts, self.payload = MXFP8Rows(counts, self.payload), None
+        return hidden, counts, None
 
     def combine_preprocess(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden

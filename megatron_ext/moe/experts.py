@@ -24,6 +24,7 @@ import re
 import torch
 
 from megatron_ext.kernels.swiglu import swiglu_valid_prefix
+from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, payload_fc1
 
 
 def counts_to_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
@@ -110,12 +111,16 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         if hidden.dtype != self.fc1_weight.dtype:
             raise TypeError(f"hidden dtype {hidden.dtype} differs from expert weights {self.fc1_weight.dtype}; "
                             f"cast the input or build the experts with params_dtype={hidden.dtype}")
+        payload = None
+        if isinstance(tokens_per_expert, MXFP8Rows):  # rowwise MXFP8 dispatch: fc1 reads the payload
+            tokens_per_expert, payload = tokens_per_expert.counts, tokens_per_expert.payload
         offsets = counts_to_offsets(tokens_per_expert, hidden.device)
-        return self.forward_offsets(hidden, offsets, permuted_probs), None
+        return self.forward_offsets(hidden, offsets, permuted_probs, payload), None
 
     def forward_offsets(self, hidden: torch.Tensor, offsets: torch.Tensor,
-                        probs: torch.Tensor | None = None) -> torch.Tensor:
-        """Experts on device int32 end offsets [L]; rows >= offsets[-1] are never read."""
+                        probs: torch.Tensor | None = None, payload=None) -> torch.Tensor:
+        """Experts on device int32 end offsets [L]; rows >= offsets[-1] are never read.
+        `payload` (an MXFP8Payload) replaces `hidden`'s values in fc1; `hidden` keeps the gradient edge."""
         self._check_offsets(offsets, hidden)
         if probs is not None:
             if self.config.moe_apply_probs_on_input:
@@ -123,10 +128,8 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                 probs = None
             else:
                 probs = probs.reshape(-1).float()
-        if getattr(hidden, "mxfp8_payload", None) is not None:  # rowwise MXFP8 dispatch
-            from megatron_ext.moe.mxfp8_dispatch import payload_fc1
-
-            fc1_out = payload_fc1(hidden, self.fc1_weight, offsets)
+        if payload is not None:
+            fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload)
         else:
             fc1_out = torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offsets)
         act = swiglu_valid_prefix(fc1_out, offsets[-1], probs)

@@ -11,9 +11,12 @@ the leased MXFP8 payload is (0.52x the bytes), and the lease is returned when th
 backward has run. Combine and both backward transfers stay BF16, as in the report. Gradients
 pass the quantizer straight through: d(tokens) is the dispatch backward of d(expert input).
 
-The dispatch returns a zero-stride BF16 "anchor" [C, H] carrying the payload as its
-``mxfp8_payload`` attribute: it is the autograd edge between the dispatch and the experts
-(whose up-projection reads the payload, ``payload_fc1``), and costs no memory.
+The dispatch returns a zero-stride BF16 "anchor" [C, H] and the payload. The anchor is the
+autograd edge between the dispatch and the experts and costs no memory; the payload reaches
+the experts explicitly, as the `tokens_per_expert` argument Megatron's MoELayer hands them
+(`MXFP8Rows`: the per-expert counts plus the payload), and the up-projection reads it
+(``payload_fc1``). Nothing rides on a tensor attribute, which any op in between (a hook, a
+timer's view) would drop, leaving fc1 to compute on the anchor's zeros.
 
 Transports return the packed rows as uint8 [C, packed_row_bytes(H)] from
 ``dispatch_quantized``; both keep them in float32-word slots (16-byte aligned rows, no
@@ -56,6 +59,14 @@ class MXFP8Payload:
     dtype: torch.dtype  # the BF16/fp32 dtype the experts compute in
 
 
+@dataclass(frozen=True)
+class MXFP8Rows:
+    """What the rowwise MXFP8 dispatch hands the experts as `tokens_per_expert`."""
+
+    counts: torch.Tensor  # [L] rows per local expert, on the device
+    payload: MXFP8Payload
+
+
 class _DispatchMXFP8Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, transport: RowTransport, route: RouteMap, holder: list):
@@ -72,13 +83,12 @@ class _DispatchMXFP8Rows(torch.autograd.Function):
 
 
 def dispatch_rows_mxfp8(tokens: torch.Tensor, transport: RowTransport, route: RouteMap):
-    """Token rows [T, H] -> (anchor [C, H] carrying `.mxfp8_payload`, the payload's lease)."""
+    """Token rows [T, H] -> (anchor [C, H], the MXFP8 payload, the payload's lease)."""
     mxfp8.check_hidden(tokens.shape[1])
     holder: list = []
     anchor = _DispatchMXFP8Rows.apply(tokens, transport, route, holder)
     payload, lease = holder[0]
-    anchor.mxfp8_payload = payload
-    return anchor, lease
+    return anchor, payload, lease
 
 
 class _PayloadFc1(torch.autograd.Function):
@@ -104,10 +114,15 @@ class _PayloadFc1(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
-def payload_fc1(anchor: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """fc1 of DeviceOffsetGroupedMLP on an MXFP8 dispatch anchor: [C, 2F], rows past offsets[-1]
-    never read (the grouped GEMMs stop at the last offset)."""
-    return _PayloadFc1.apply(anchor, weight, offsets, anchor.mxfp8_payload)
+def payload_fc1(anchor: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                payload: MXFP8Payload) -> torch.Tensor:
+    """fc1 of DeviceOffsetGroupedMLP on an MXFP8 payload: [C, 2F], rows past offsets[-1] never
+    read (the grouped GEMMs stop at the last offset). `anchor` carries the gradient edge."""
+    rows = (payload.packed.shape[0], payload.hidden)
+    if tuple(anchor.shape) != rows:
+        raise ValueError(f"the experts got hidden {tuple(anchor.shape)} with an MXFP8 payload of {rows[0]} rows "
+                         f"of {rows[1]}: pass the dispatcher's output and its MXFP8Rows together, unchanged")
+    return _PayloadFc1.apply(anchor, weight, offsets, payload)
 
 
 def dispatch_row_bytes(hidden: int, dtype: torch.dtype, mxfp8_payload: bool) -> int:

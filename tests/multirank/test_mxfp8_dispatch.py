@@ -119,3 +119,33 @@ def _payload_path_rank(rank, world):
 def test_experts_read_and_save_the_mxfp8_payload():
     run_on_ranks(_payload_path_rank, 2, sizes=ParallelSizes(ep=2))
 
+
+
+def _wrapped_dispatch_rank(rank, world):
+    """An op between the dispatch and the experts (a hook, the EP benchmark's phase timer) returns a
+    new tensor for the dispatched rows; the payload must still reach fc1 (it used to ride on the
+    tensor as an attribute: fc1 then multiplied the anchor's zeros, or _grouped_mm refused its strides)."""
+    hidden, ffn, experts, tokens = 64, 32, 4, 16
+    config = moe_config(hidden=hidden, ffn=ffn, experts=experts, topk=2, ep=world)
+    weights = MoEWeights.random(experts, hidden, ffn, seed=5)
+    x, grad_out = rank_tokens(rank, tokens, hidden)
+    results = []
+    for wrap in (False, True):
+        layer = moe_builder(MoEExtConfig(transport="torch", mxfp8_dispatch=True))(config=config)
+        load_weights(layer, weights)
+        if wrap:
+            dispatcher = layer.token_dispatcher
+            plain = dispatcher.token_dispatch
+
+            def token_dispatch(hidden_states, probs, _plain=plain):
+                buffer, probs = _plain(hidden_states, probs)
+                return buffer.view_as(buffer), probs
+            dispatcher.token_dispatch = token_dispatch
+        results.append(_run(layer, x, grad_out))
+    assert results[0][0].abs().max() > 0
+    for name, a, b in zip(("output", "input grad", "router grad", "fc1 grad"), results[1], results[0]):
+        assert torch.equal(a, b), f"rank {rank} {name} changed when the dispatched rows passed through a view"
+
+
+def test_mxfp8_payload_survives_ops_between_dispatch_and_experts():
+    run_on_ranks(_wrapped_dispatch_rank, 2, sizes=ParallelSizes(ep=2))

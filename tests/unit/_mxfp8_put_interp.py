@@ -91,9 +91,9 @@ def check_symm_transport() -> bool:
     ok = ok and torch.equal(got[written], want[written]) and not want[~written].any()
     ok = ok and bool((got[~written].view(-1, 4) == nan_row).all())
     symm.release(lease)
-    out_symm, _ = dispatch_rows_mxfp8(tokens, symm, route)
-    out_ref, _ = dispatch_rows_mxfp8(tokens, ref, route)
-    payload_symm, payload_ref = out_symm.mxfp8_payload.packed, out_ref.mxfp8_payload.packed
+    _, payload_symm, _ = dispatch_rows_mxfp8(tokens, symm, route)
+    _, payload_ref, _ = dispatch_rows_mxfp8(tokens, ref, route)
+    payload_symm, payload_ref = payload_symm.packed, payload_ref.packed
     ok = ok and torch.equal(payload_symm[written], payload_ref[written]) and symm.pool.live == 1
     print(f"{'ok  ' if ok else 'FAIL'} symm dispatch_quantized == torch_ref (EP=1)", flush=True)
     return ok
