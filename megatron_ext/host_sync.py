@@ -51,8 +51,13 @@ def _blocking_calls(step: Callable[[], object]) -> Counter:
 def capture_replay(step: Callable[[], object], warmup: int = 2):
     """Capture `step()` in a CUDA graph after warm-up on a side stream; return (graph, outputs).
 
-    Raises the capture error unchanged if the step synchronizes with the host.
+    A host synchronization inside makes the capture fail: raises CaptureFailed (a RuntimeError
+    naming the CUDA error), with the process left usable (megatron_ext/cuda_graphs/capture.py).
+    For training, use the layer's graph runner (MoEExtConfig.cuda_graphs), which also agrees
+    across EP ranks and falls back to eager; this is the proof tool.
     """
+    from megatron_ext.cuda_graphs.capture import capture
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -60,6 +65,5 @@ def capture_replay(step: Callable[[], object], warmup: int = 2):
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
+    outputs = capture(graph, step)
     return graph, outputs

@@ -18,8 +18,8 @@ Paths (same weights, same tokens and output gradients per rank, hence the same r
   rowwise_symm_mxfp8    rowwise_symm with MoEExtConfig(mxfp8_dispatch=True); reported as not
                         available when the flag is refused or the dispatch payload stays BF16
                         (output bitwise equal to rowwise_symm's)
-  rowwise_symm_graph    rowwise_symm, forward+backward captured in one CUDA graph and replayed
-                        (layer time only: the phases cannot be timed inside a graph)
+  rowwise_symm_graph    rowwise_symm with MoEExtConfig.cuda_graphs (the layer's graph runner: forward and
+                        backward replayed; layer time only: the phases cannot be timed inside a graph)
 
 Weights: expert e's fc1/fc2 come from a generator seeded with (seed, e), the router from
 (seed), so every rank builds exactly the global model's weights for its own experts whatever
@@ -82,7 +82,7 @@ from tools.ep_paths import (EP8_SHAPE, PATHS, TINY_SHAPE, Shape, build_layer, ra
                             routing_digest, unavailable_reason)
 from tools.ep_phase_timing import (COMBINE_METHODS, DISPATCH_METHODS, Clock, PhaseTimer,  # noqa: E402,F401
                                    time_layer, time_phases)
-from tools.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, print_table, same_routes,  # noqa: E402
+from tools.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, mxfp8_vs_bf16, print_table, same_routes,  # noqa: E402
                              summarize)
 
 
@@ -144,15 +144,15 @@ def run_path(path: str, shape: Shape, args, ranks: Ranks, x, grad_out, outputs: 
     clock = Clock(ranks.device)
     layer = build_layer(path, shape, args, ranks.device, dtype)
     step = make_step(layer, x, grad_out)
-    result = {"path": path, "routing_digest": routing_digest(layer, step)}
-    if path == "rowwise_symm_graph":
-        from megatron_ext.host_sync import capture_replay
-
-        graph, static_out = capture_replay(step)
-        step = graph.replay
-        step()
-        first_out = static_out
+    if path == "rowwise_symm_graph":  # the layer's graph runner: captured at the first training step
+        first_out = step()
+        reason = layer._graph_runner.eager_reason
+        if reason is not None:
+            return {"path": path, "unavailable": f"not available: the graph runner fell back to eager: {reason}"}
+        with torch.no_grad():  # routes from an eager forward (a replay runs no Python hooks)
+            result = {"path": path, "routing_digest": routing_digest(layer, lambda: layer(x))}
     else:
+        result = {"path": path, "routing_digest": routing_digest(layer, step)}
         first_out = step()
     result["out_rel_diff_vs_first_path"] = outputs.record(path, first_out)
     if path == "rowwise_symm_mxfp8" and mxfp8_payload_missing(first_out, outputs):
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
         payload = {"args": vars(args), "shape": asdict(shape), "tokens_per_rank": shape.tokens,
                    "world_size": ranks.world, "ep": ranks.world, "dtype": args.dtype,
                    "model_flops_per_rank_step": flops, "same_routes_all_paths": routes_equal,
-                   "dispatch_combine_ratios": ratios, "target_shorter_by": TARGET_SHORTER, "rows": rows}
+                   "dispatch_combine_ratios": ratios, "mxfp8_vs_bf16": mxfp8_vs_bf16(rows), "target_shorter_by": TARGET_SHORTER, "rows": rows}
     return finish_run(args, payload)
 
 

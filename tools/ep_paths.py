@@ -98,7 +98,7 @@ def build_layer(path: str, shape: Shape, args, device: torch.device, dtype):
     else:
         ext = MoEExtConfig(transport="torch" if path == "rowwise_torch" else "symm",
                            capacity_factor=args.capacity_factor, dropless=args.dropless,
-                           mxfp8_dispatch=path == "rowwise_symm_mxfp8")
+                           mxfp8_dispatch=path == "rowwise_symm_mxfp8", cuda_graphs=path == "rowwise_symm_graph")
         layer = moe_builder(ext)(config=config)
     layer = layer.to(device)
     load_seeded_weights(layer, shape, args.seed)

@@ -57,6 +57,21 @@ def dispatch_combine_ratios(rows: list[dict]) -> dict:
     return ratios
 
 
+def mxfp8_vs_bf16(rows: list[dict]) -> dict:
+    """rowwise_symm_mxfp8 over rowwise_symm: dispatch-buffer bytes and dispatch forward time."""
+    by_path = {r["path"]: r for r in rows if "unavailable" not in r and "error" not in r}
+    mx, bf16 = by_path.get("rowwise_symm_mxfp8"), by_path.get("rowwise_symm")
+    if not mx or not bf16:
+        return {}
+    found = {}
+    if mx.get("dispatch_buffer_bytes") and bf16.get("dispatch_buffer_bytes"):
+        found["buffer_bytes_ratio"] = mx["dispatch_buffer_bytes"] / bf16["dispatch_buffer_bytes"]
+    mx_phases, bf16_phases = mx.get("phases_ms") or {}, bf16.get("phases_ms") or {}
+    if mx_phases.get("dispatch_fwd") and bf16_phases.get("dispatch_fwd"):
+        found["dispatch_fwd_ratio"] = mx_phases["dispatch_fwd"] / bf16_phases["dispatch_fwd"]
+    return found
+
+
 def same_routes(rows: list[dict]) -> bool | None:
     digests = [tuple(r["routing_digests"]) for r in rows if "routing_digests" in r]
     return len(set(digests)) == 1 if digests else None
@@ -91,6 +106,8 @@ def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes
     for name, value in ratios.items():
         change = "shorter" if value["shorter_by"] >= 0 else "longer"
         print(f"dispatch+combine {name}: ratio {value['ratio']:.3f} ({100 * abs(value['shorter_by']):.1f}% {change})")
+    for name, value in mxfp8_vs_bf16(rows).items():
+        print(f"rowwise_symm_mxfp8 / rowwise_symm {name}: {value:.3f}")
     target = ratios.get("rowwise_symm/megatron_alltoall")
     if target:
         met = "MET" if target["shorter_by"] >= TARGET_SHORTER else "NOT MET"

@@ -4,13 +4,21 @@ Cost removed: host submission of the whole layer (router, route map, dispatch, e
 combine, and their backward) becomes two graph launches per microbatch. Costs accepted: one
 set of static buffers and saved activations per slot (slots = microbatches alive in the layer
 at once, from the pipeline schedule), copies of the input and output gradient into the slot's
-static tensors, and a capture at the first use of each slot.
+static tensors, a capture at the first training forward, and at EP > 1 one all-reduce after
+it so that every rank replays or every rank runs eagerly.
 
-Slots and leases agree by construction: slot i's forward is captured while slots 0..i-1 still
-hold their dispatch-buffer leases, so each slot bakes in its own lease; the layer's
-`lease_slots` must therefore be >= the number of graph slots. All slots capture into one
-memory pool, forwards first (in slot order) then backwards, as a pipeline warm-up would.
-If capture is impossible the runner logs why and the layer stays eager.
+Slots and leases agree by construction: graph slot i's forward is captured while slots
+0..i-1 still hold their dispatch-buffer leases, so it bakes in pool slot i; the layer's
+`lease_slots` must therefore be >= the number of graph slots. A replay holds pool slot i from
+its forward to its backward, so eager forwards between steps (evaluation) find the slots free.
+All slots capture into one memory pool, forwards first (in slot order) then backwards, as a
+pipeline warm-up would.
+
+If capture is impossible or fails (on any rank of the EP group) the runner logs why and the
+layer stays eager; a failed capture leaves the process usable (cuda_graphs/capture.py).
+The captured layer issues no NCCL work (the symm transport exchanges route counts over
+symmetric memory), so graphs never keep destroy_process_group from returning; `reset`
+drops them early where a caller wants their memory back.
 """
 
 from __future__ import annotations
@@ -18,12 +26,15 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
+
+from megatron_ext.cuda_graphs.capture import CaptureFailed, capture
 
 logger = logging.getLogger(__name__)
 
 
 def capture_blockers(layer, hidden: torch.Tensor) -> list[str]:
-    """Reasons this layer cannot be captured here (empty: capturable)."""
+    """Reasons this layer cannot be captured here (empty: capturable). The same on every rank."""
     reasons = []
     if not hidden.is_cuda:
         reasons.append(f"the input is on {hidden.device}, CUDA graphs need a GPU")
@@ -35,6 +46,23 @@ def capture_blockers(layer, hidden: torch.Tensor) -> list[str]:
     return reasons
 
 
+def transport_blocker(layer) -> str | None:
+    """After warm-up (the transport exists): refuse transports that would put NCCL in the graph."""
+    dispatcher = getattr(layer, "token_dispatcher", None)
+    transport = getattr(dispatcher, "transport", None)
+    if getattr(dispatcher, "ep_size", 1) > 1 and not hasattr(transport, "gather_counts"):
+        return (f"the {type(transport).__name__} runs NCCL collectives inside the layer; a CUDA graph holding "
+                f"them keeps destroy_process_group from returning (pytorch/pytorch#115388): use "
+                f"--moe-ext-transport symm for graphs at EP > 1")
+    return None
+
+
+def ep_group_of(layer):
+    dispatcher = getattr(layer, "token_dispatcher", None)
+    group = getattr(dispatcher, "ep_group", None)
+    return group if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 else None
+
+
 class _Slot:
     def __init__(self, static_input: torch.Tensor):
         self.input = static_input
@@ -44,6 +72,7 @@ class _Slot:
         self.grad_output = None
         self.grads = None
         self.busy = False
+        self.lease = None  # the dispatch-buffer lease this slot's graphs write, while live
 
 
 class _ReplaySlot(torch.autograd.Function):
@@ -69,9 +98,7 @@ class GraphedMoELayer:
 
     `layer.eager_forward(hidden)` (or `layer(hidden)`) must return (output, bias) like
     Megatron's MoELayer. Call the runner instead: `out, bias = runner(hidden)`. The first call
-    captures every slot; afterwards the runner owns the captured dispatch-buffer leases, so an
-    eager call of the same layer cannot overwrite a slot's payload (it takes a spare lease or
-    fails clearly).
+    captures every slot (the layer may have run eager steps before, on any stream).
     """
 
     def __init__(self, layer, num_slots: int, warmup_iters: int = 2):
@@ -88,7 +115,6 @@ class GraphedMoELayer:
         self.eager_reason: str | None = None
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.forward_fn = getattr(layer, "eager_forward", layer)
-        self.owned_leases = []
 
     def __call__(self, hidden: torch.Tensor):
         if self.eager_reason is not None:
@@ -97,10 +123,9 @@ class GraphedMoELayer:
             reasons = capture_blockers(self.layer, hidden)
             if reasons:
                 return self._fall_back("; ".join(reasons), hidden)
-            try:
-                self._capture(hidden)
-            except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly, say why
-                return self._fall_back(f"capture failed: {type(error).__name__}: {error}", hidden)
+            reason = self._capture_agreed(hidden)
+            if reason is not None:
+                return self._fall_back(reason, hidden)
         slot = self._acquire(hidden)
         return _ReplaySlot.apply(hidden, self, slot, *self.params), None
 
@@ -109,37 +134,72 @@ class GraphedMoELayer:
         logger.warning("megatron_ext: MoE layer runs eagerly, not from CUDA graphs: %s", reason)
         return self.forward_fn(hidden)
 
+    def _capture_agreed(self, hidden: torch.Tensor) -> str | None:
+        """Warm up and capture; at EP > 1 every rank learns whether all captured (init time: a sync)."""
+        self._warm_up(hidden)
+        reason = transport_blocker(self.layer)
+        if reason is None:
+            try:
+                self._capture(hidden)
+            except CaptureFailed as error:
+                reason = f"capture failed: {error}"
+        group = ep_group_of(self.layer)
+        if group is not None:
+            captured = torch.tensor([0 if reason else 1], dtype=torch.int32, device=hidden.device)
+            dist.all_reduce(captured, op=dist.ReduceOp.MIN, group=group)
+            if reason is None and not bool(captured.item()):
+                reason = "capture failed on another rank of the expert-parallel group (all ranks run eagerly)"
+        if reason is not None:
+            self.reset()
+        return reason
+
     def _acquire(self, hidden: torch.Tensor) -> _Slot:
         if hidden.shape != self.slots[0].input.shape or hidden.dtype != self.slots[0].input.dtype:
             raise ValueError(f"graphed MoE layer was captured for input {tuple(self.slots[0].input.shape)} "
                              f"{self.slots[0].input.dtype}, got {tuple(hidden.shape)} {hidden.dtype}; "
                              f"microbatch shapes must stay static")
-        for slot in self.slots:
+        pool = self._lease_pool()
+        for index, slot in enumerate(self.slots):
             if not slot.busy:
                 slot.busy = True
+                if pool is not None:  # the dispatch-buffer slot this graph writes
+                    slot.lease = pool.acquire(slot=index)
                 return slot
         raise RuntimeError(f"all {self.num_slots} CUDA-graph slot(s) of this MoE layer hold live microbatches; "
                            f"size the slots from the pipeline schedule (megatron_ext.cuda_graphs.live_microbatches)")
 
     def _release(self, slot: _Slot) -> None:
         slot.busy = False
+        if slot.lease is not None:
+            slot.lease.release()
+            slot.lease = None
+
+    def _lease_pool(self):
+        return getattr(getattr(getattr(self.layer, "token_dispatcher", None), "transport", None), "pool", None)
 
     def _capture(self, sample: torch.Tensor) -> None:
-        self._warm_up(sample)
-        pool = torch.cuda.graph_pool_handle()
+        pool_handle = torch.cuda.graph_pool_handle()
+        leases = self._lease_pool()
+        free_before = None if leases is None else leases.live
+        if free_before:
+            raise CaptureFailed(f"{free_before} dispatch-buffer slot(s) hold live microbatches at capture time; "
+                                f"capture needs the layer idle")
         slots = [_Slot(sample.detach().clone().requires_grad_(True)) for _ in range(self.num_slots)]
-        for slot in slots:  # forwards first: each keeps its lease, as in a pipeline warm-up
-            with torch.cuda.graph(slot.forward_graph, pool=pool):
-                slot.output, _ = self.forward_fn(slot.input)
-            slot.grad_output = torch.empty_like(slot.output)
-        for slot in reversed(slots):
-            with torch.cuda.graph(slot.backward_graph, pool=pool):
-                slot.grads = torch.autograd.grad(slot.output, (slot.input, *self.params), slot.grad_output,
-                                                 allow_unused=True)
+        try:
+            for slot in slots:  # forwards first: each keeps its lease, as in a pipeline warm-up
+                slot.output, _ = capture(slot.forward_graph, lambda s=slot: self.forward_fn(s.input), pool_handle)
+                slot.grad_output = torch.empty_like(slot.output)
+            for slot in reversed(slots):
+                slot.grads = capture(slot.backward_graph, lambda s=slot: torch.autograd.grad(
+                    s.output, (s.input, *self.params), s.grad_output, allow_unused=True), pool_handle)
+        except CaptureFailed:
+            for slot in slots:
+                slot.forward_graph.reset()
+                slot.backward_graph.reset()
+            if leases is not None:
+                leases.release_all()  # host-side leases of forwards whose backward was never captured
+            raise
         self.slots = slots
-        pool = getattr(getattr(getattr(self.layer, "token_dispatcher", None), "transport", None), "pool", None)
-        if pool is not None:  # captures took leases 0..n-1 in order and gave them back; keep them now
-            self.owned_leases = [pool.acquire() for _ in range(self.num_slots)]
 
     def _warm_up(self, sample: torch.Tensor) -> None:
         """Eager steps on a side stream: allocations, compilation and lazy buffers happen here."""
@@ -151,3 +211,24 @@ class GraphedMoELayer:
                 out, _ = self.forward_fn(x)
                 torch.autograd.grad(out, (x, *self.params), torch.ones_like(out), allow_unused=True)
         torch.cuda.current_stream().wait_stream(stream)
+
+    def reset(self) -> None:
+        """Drop the graphs (and their memory pool); the next training forward captures again."""
+        if self.slots is not None:
+            if any(slot.busy for slot in self.slots):
+                raise RuntimeError("cannot drop the MoE layer's CUDA graphs while a microbatch is live in them")
+            for slot in self.slots:
+                slot.forward_graph.reset()
+                slot.backward_graph.reset()
+        self.slots = None
+
+
+def release_cuda_graphs(model) -> int:
+    """Drop every rowwise MoE layer's CUDA graphs in `model` (e.g. before tearing down); returns how many."""
+    released = 0
+    for module in model.modules():
+        runner = getattr(module, "_graph_runner", None)
+        if isinstance(runner, GraphedMoELayer) and runner.slots is not None:
+            runner.reset()
+            released += 1
+    return released

@@ -149,6 +149,12 @@ class LeasePool:
         if self.poison:
             self.slots[slot].local.fill_(float("nan"))
 
+    def release_all(self) -> None:
+        """Free every slot: only when no microbatch is live (after a failed graph capture)."""
+        for slot, taken in enumerate(self.busy):
+            if taken:
+                self._free(slot)
+
     @property
     def live(self) -> int:
         return sum(self.busy)

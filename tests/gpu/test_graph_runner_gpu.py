@@ -80,3 +80,84 @@ def test_one_shared_slot_corrupts_two_live_microbatches(weights):
     first_output = outs[0].clone()
     eager = run_pipelined(make_layer(weights, lease_slots=2), batches)
     assert not torch.equal(first_output.float(), eager[0][0]), "the shared slot should have been overwritten"
+
+
+def _sync_while_capturing(module, inputs, output):
+    """A router hook that reads the device on the host, but only during capture: the capture fails."""
+    if torch.cuda.is_current_stream_capturing():
+        output[0].sum().item()
+
+
+def _train_steps(layer, batches):
+    results = []
+    for x, g in batches:
+        results.append(run_pipelined(layer, [(x, g)]))
+    return results
+
+
+def test_failed_capture_falls_back_to_eager_and_leaves_the_process_usable(weights, caplog):
+    graphed = make_layer(weights, cuda_graphs=True)
+    eager = make_layer(weights)
+    graphed.router.register_forward_hook(_sync_while_capturing)
+    batches = [microbatch(40 + i) for i in range(3)]
+    with caplog.at_level("WARNING"):
+        got = _train_steps(graphed, batches)
+    reason = graphed._graph_runner.eager_reason
+    assert reason is not None and "capture failed" in reason, reason
+    assert any("runs eagerly" in r.getMessage() for r in caplog.records), "the fallback was not logged"
+    want = _train_steps(eager, batches)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1][0], b[1][0]), f"eager fallback step {step} differs"
+    torch.cuda.empty_cache()  # aborted the process when the allocator still counted a capture underway
+    scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(1)
+    assert int(scratch[-1]) == 1
+    fresh = make_layer(weights, cuda_graphs=True)  # a later capture in the same process works
+    run_pipelined(fresh, batches[:1])
+    assert fresh._graph_runner.eager_reason is None, fresh._graph_runner.eager_reason
+
+
+def test_capture_replay_raises_capture_failed_on_a_host_sync():
+    from megatron_ext.cuda_graphs.capture import CaptureFailed
+    from megatron_ext.host_sync import capture_replay
+
+    x = torch.ones(8, device="cuda")
+
+    def step():
+        y = x * 2
+        if torch.cuda.is_current_stream_capturing():
+            y.sum().item()
+        return y
+
+    with pytest.raises(CaptureFailed):
+        capture_replay(step)
+    graph, out = capture_replay(lambda: x * 3)  # the process and its allocator still work
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(x, 3))
+
+
+def test_runner_after_eager_training_steps_and_eval(weights):
+    """Megatron runs eager iterations (default stream, .backward() into param.grad) and evaluation
+    before graphs start; the runner must capture after that, and evaluation must work after it."""
+    from megatron_ext.cuda_graphs.runner import GraphedMoELayer
+
+    layer, twin = make_layer(weights), make_layer(weights)
+    batches = [microbatch(60 + i) for i in range(6)]
+    for x, g in batches[:3]:  # eager training steps on the default stream, grads accumulate
+        for model in (layer, twin):
+            out, _ = model(x.clone().requires_grad_(True))
+            out.backward(g)
+    with torch.no_grad():  # an evaluation pass
+        for model in (layer, twin):
+            model.eval()
+            model(batches[3][0])
+            model.train()
+    layer._graph_runner = GraphedMoELayer(layer, num_slots=1)
+    for step, (x, g) in enumerate(batches[3:]):
+        got, want = run_pipelined(layer, [(x, g)]), run_pipelined(twin, [(x, g)])
+        assert layer._graph_runner.eager_reason is None, layer._graph_runner.eager_reason
+        assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[1][0], want[1][0]), f"step {step}"
+        torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-2)
+    with torch.no_grad():  # evaluation after capture: the replay slots do not hold the leases now
+        layer.eval(), twin.eval()
+        assert torch.equal(layer(batches[0][0])[0], twin(batches[0][0])[0])

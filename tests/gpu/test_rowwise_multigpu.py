@@ -1,10 +1,15 @@
-"""RowwiseMoELayer across 2+ GPUs (symm vs torch transport, leases, poison, graph capture).
+"""RowwiseMoELayer across 2+ GPUs: symm vs torch transport, poison, leases, graphs, stress, exit.
 
 Skipped with fewer than 2 GPUs; run by tools/multigpu_check.sh on multi-GPU machines. Ranks
-are spawned (not forked: CUDA is initialized) with NVLink multicast kept off.
+are spawned (not forked: CUDA is initialized) with NVLink multicast kept off. The ordering
+these tests stress is pinned on CPU too (tests/unit/test_symm_ordering.py, simulated ranks).
 """
 
 import os
+import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -13,69 +18,172 @@ from tests.gpu.ep_layers import EXPERTS_PER_RANK, SAFE_ENV, SHAPE, ep_layer
 from tests.gpu.ep_layers import ep_step as _step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NAMES = ("output", "input grad", "router grad", "fc1 grad", "fc2 grad")
 
 
-def _layer(transport, world, weights, **ext):
-    return ep_layer(transport, world, weights, dropless=True, **ext)
-
-
-def _rank_main(rank, world, port):
+def _init(rank, world, port):
     os.environ.update(SAFE_ENV)
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from megatron_ext.cpu_ranks import ParallelSizes, init_megatron_parallel
-    from megatron_ext.host_sync import capture_replay
-    from tests.reference import MoEWeights, assert_close
+    from tests.reference import MoEWeights
 
     init_megatron_parallel(ParallelSizes(ep=world))
-    weights = MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
-    inputs = [(torch.randn(1024, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16(),
-               torch.randn(1024, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16()) for _ in range(2)]
-    x, g = inputs[0]
-    ref = _step(_layer("torch", world, weights), x, g)
-    symm = _step(_layer("symm", world, weights), x, g)
-    assert torch.equal(ref[5], symm[5]), "keep decisions / rows differ between transports"
-    for name, a, b in zip(("output", "input grad", "router grad", "fc1 grad"), symm, ref):
-        assert_close(a, b, 2e-2, f"rank {rank} symm vs torch {name}")
-    poisoned = _layer("symm", world, weights, debug_poison=True)
-    for _ in range(2):
-        got = _step(poisoned, x, g)
-    for name, a, b in zip(("output", "input grad", "router grad", "fc1 grad"), got, symm):
-        assert torch.equal(a, b), f"rank {rank} {name} changed under tail/lease poison"
-    # Two live microbatches on two lease slots.
-    layer = _layer("symm", world, weights, lease_slots=2)
-    alone = [_step(_layer("symm", world, weights), xi, gi) for xi, gi in inputs]
-    xs = [xi.clone().requires_grad_(True) for xi, _ in inputs]
-    outs = [layer(xi)[0] for xi in xs]
-    outs[1].backward(inputs[1][1])
-    outs[0].backward(inputs[0][1])
-    for i in range(2):
-        assert torch.equal(outs[i].detach().float(), alone[i][0]), f"rank {rank} microbatch {i} corrupted"
-    # Whole layer in a CUDA graph at EP > 1.
-    graph_layer = _layer("symm", world, weights)
-    static_x = x.clone().requires_grad_(True)
+    return MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
 
-    def step():
-        static_x.grad = None
-        out, _ = graph_layer(static_x)
-        out.backward(g)
-        return out
 
-    graph, static_out = capture_replay(step)
-    x2, _ = inputs[1]
-    eager = _step(graph_layer, x2, g)
-    static_x.data.copy_(x2)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out.detach().float(), eager[0]), f"rank {rank} graph replay differs from eager"
+def _finish():
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [w for w in (2, 4, 8) if w <= torch.cuda.device_count()])
-def test_symm_transport_across_gpus(world):
+def _inputs(rank, seed, tokens=1024):
+    gen = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
+    x = torch.randn(tokens, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16()
+    return x, torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
+
+
+def _spawn(fn, world, *args):
     from megatron_ext.cpu_ranks import free_port
 
     os.environ.update(SAFE_ENV)
-    torch.multiprocessing.spawn(_rank_main, args=(world, free_port()), nprocs=world, join=True)
+    torch.multiprocessing.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def _rank_main(rank, world, port):
+    from tests.reference import assert_close
+
+    weights = _init(rank, world, port)
+    layer = lambda transport, **ext: ep_layer(transport, world, weights, dropless=True, **ext)  # noqa: E731
+    inputs = [_inputs(rank, i) for i in range(2)]
+    x, g = inputs[0]
+    ref = _step(layer("torch"), x, g)
+    symm = _step(layer("symm"), x, g)
+    assert torch.equal(ref[5], symm[5]), "keep decisions / rows differ between transports"
+    for name, a, b in zip(NAMES, symm, ref):
+        assert_close(a, b, 2e-2, f"rank {rank} symm vs torch {name}")
+    poisoned = layer("symm", debug_poison=True)
+    for _ in range(2):
+        got = _step(poisoned, x, g)
+    for name, a, b in zip(NAMES, got, symm):
+        assert torch.equal(a, b), f"rank {rank} {name} changed under tail/lease poison"
+    # Two live microbatches on two lease slots.
+    two = layer("symm", lease_slots=2)
+    alone = [_step(layer("symm"), xi, gi) for xi, gi in inputs]
+    xs = [xi.clone().requires_grad_(True) for xi, _ in inputs]
+    outs = [two(xi)[0] for xi in xs]
+    outs[1].backward(inputs[1][1])
+    outs[0].backward(inputs[0][1])
+    for i in range(2):
+        assert torch.equal(outs[i].detach().float(), alone[i][0]), f"rank {rank} microbatch {i} corrupted"
+    # The whole layer from CUDA graphs at EP > 1: the runner (MoEExtConfig.cuda_graphs).
+    graphed, eager = layer("symm", cuda_graphs=True), layer("symm")
+    for step in range(3):
+        xi, gi = _inputs(rank, 10 + step)
+        got, want = _step(graphed, xi, gi), _step(eager, xi, gi)
+        assert graphed._graph_runner.eager_reason is None, graphed._graph_runner.eager_reason
+        for name, a, b in list(zip(NAMES, got, want))[:2]:
+            assert torch.equal(a, b), f"rank {rank} step {step} graph replay {name} differs from eager"
+    _finish()
+
+
+@pytest.mark.parametrize("world", [w for w in (2, 4, 8) if w <= torch.cuda.device_count()])
+def test_symm_transport_across_gpus(world):
+    _spawn(_rank_main, world)
+
+
+# ----------------------------------------------------------------------------- stress (issue 15, item 1)
+STRESS_STEPS = 20
+
+
+def _run_schedule(layer, batches, order):
+    """Forwards of every microbatch, then backwards in `order`; per microbatch the _step tuple."""
+    for p in layer.parameters():
+        p.grad = None
+    xs = [x.clone().requires_grad_(True) for x, _ in batches]
+    outs, routes = [], []
+    for x in xs:
+        outs.append(layer(x)[0])
+        routes.append(layer.token_dispatcher.route_map.dest_row.clone())
+    for i in order:
+        outs[i].backward(batches[i][1])
+    grads = (layer.router.weight.grad.float(), layer.experts.fc1_weight.grad.float(),
+             layer.experts.fc2_weight.grad.float())
+    return [(o.detach().float(), x.grad.float()) for o, x in zip(outs, xs)], grads, routes
+
+
+def _stress_rank(rank, world, port):
+    from tests.reference import assert_close
+
+    weights = _init(rank, world, port)
+    dropped = 0
+    for cf in (1.0, 1.25):
+        for live in (1, 2):
+            for poison in (False, True):
+                ext = dict(capacity_factor=cf, lease_slots=live, debug_poison=poison)
+                symm, torch_ref = ep_layer("symm", world, weights, **ext), ep_layer("torch", world, weights, **ext)
+                for step in range(STRESS_STEPS):
+                    batches = [_inputs(rank, 100 * step + mb, tokens=512) for mb in range(live)]
+                    order = list(range(live)) if step % 2 else list(reversed(range(live)))
+                    got, got_grads, got_routes = _run_schedule(symm, batches, order)
+                    want, want_grads, want_routes = _run_schedule(torch_ref, batches, order)
+                    where = f"rank {rank} cf {cf} live {live} poison {poison} step {step}"
+                    for mb in range(live):
+                        assert torch.equal(got_routes[mb], want_routes[mb]), f"{where} mb {mb}: routes differ"
+                        dropped += int((got_routes[mb] < 0).sum())
+                        for name, a, b in zip(NAMES, got[mb], want[mb]):
+                            assert not torch.isnan(a).any(), f"{where} mb {mb}: NaN in {name}"
+                            assert_close(a, b, 2e-2, f"{where} mb {mb}: symm vs torch {name}")
+                    for name, a, b in zip(NAMES[2:], got_grads, want_grads):
+                        assert_close(a, b, 3e-2, f"{where}: symm vs torch {name}")
+    total = torch.tensor([dropped], device="cuda")
+    torch.distributed.all_reduce(total)
+    assert int(total) > 0, "no route was dropped at capacity factor 1.0: the stress did not exercise drops"
+    _finish()
+
+
+def test_symm_stress_ep2_against_torch_transport():
+    """>= 20 steps per setting, fresh routes every step, cf 1.0 (drops) and 1.25, 1 and 2 live
+    microbatches in both backward orders on 2 lease slots, poison on and off."""
+    _spawn(_stress_rank, 2)
+
+
+# ----------------------------------------------------------------------------- failed capture (item 3)
+def _failed_capture_rank(rank, world, port):
+    weights = _init(rank, world, port)
+    graphed, eager = ep_layer("symm", world, weights, cuda_graphs=True), ep_layer("symm", world, weights)
+    if rank == 1:  # only one rank's capture fails: every rank must fall back together
+        def sync_while_capturing(module, inputs, output):
+            if torch.cuda.is_current_stream_capturing():
+                output[0].sum().item()
+        graphed.router.register_forward_hook(sync_while_capturing)
+    for step in range(3):
+        x, g = _inputs(rank, 30 + step)
+        got, want = _step(graphed, x, g), _step(eager, x, g)
+        for name, a, b in list(zip(NAMES, got, want))[:2]:
+            assert torch.equal(a, b), f"rank {rank} step {step} eager fallback {name} differs"
+    reason = graphed._graph_runner.eager_reason
+    assert reason is not None, f"rank {rank} did not fall back"
+    assert ("capture failed" in reason) if rank == 1 else ("another rank" in reason), reason
+    torch.cuda.empty_cache()
+    _finish()
+
+
+def test_failed_capture_on_one_rank_falls_back_on_every_rank():
+    _spawn(_failed_capture_rank, 2)
+
+
+# ----------------------------------------------------------------------------- clean exit (item 4)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_two_rank_run_exits_within_60s_of_its_last_step(graphs):
+    script = os.path.join(REPO, "tests", "gpu", "_two_rank_exit.py")
+    env = dict(os.environ, **SAFE_ENV, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+           "--graphs" if graphs else "--eager"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    ended = time.time()
+    found = re.findall(r"LAST_STEP_DONE ([0-9.]+)", proc.stdout)
+    assert proc.returncode == 0 and len(found) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ended - max(map(float, found)) < 60, f"exit took {ended - max(map(float, found)):.0f} s after the last step"
+    assert ("eager_reason=None" in proc.stdout) if graphs else True, proc.stdout[-2000:]

@@ -252,3 +252,12 @@ def test_summary_ratio_and_route_check():
     assert same_routes([megatron, symm, missing]) is True
     symm["routing_digests"] = ["a", "c"]
     assert same_routes([megatron, symm]) is False
+
+
+def test_mxfp8_vs_bf16_ratios():
+    from tools.ep_report import mxfp8_vs_bf16
+
+    bf16 = {"path": "rowwise_symm", "dispatch_buffer_bytes": 1000, "phases_ms": {"dispatch_fwd": 2.0}}
+    mx = {"path": "rowwise_symm_mxfp8", "dispatch_buffer_bytes": 516, "phases_ms": {"dispatch_fwd": 1.5}}
+    assert mxfp8_vs_bf16([bf16, mx]) == {"buffer_bytes_ratio": 0.516, "dispatch_fwd_ratio": 0.75}
+    assert mxfp8_vs_bf16([bf16, {"path": "rowwise_symm_mxfp8", "unavailable": "x"}]) == {}

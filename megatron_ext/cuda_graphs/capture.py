@@ -1,0 +1,59 @@
+"""Capture into a CUDA graph so that a failed capture leaves the process usable.
+
+`torch.cuda.graph` ends a capture in `__exit__` with `CUDAGraph.capture_end()`, which calls
+cudaStreamEndCapture before it hands the graph's memory pool back to the caching allocator.
+When the capture was invalidated (a host synchronization, another thread's unsafe CUDA call
+in "global" mode), capture_end raises there: the allocator still counts a capture underway and
+the next allocation or empty_cache aborts the process (`captures_underway.empty()` INTERNAL
+ASSERT, seen at EP=2), and `__exit__` never restores the current stream. `capture` ends every
+step itself and repairs both on failure, then raises `CaptureFailed` with the cause.
+
+Captures run in "thread_local" mode: the ProcessGroupNCCL watchdog thread queries events of
+earlier eager collectives, which in "global" mode may invalidate a capture on another thread.
+
+Torch internals used (checked by tests/unit/test_graph_capture_internals.py; torch 2.11-2.13):
+`torch.cuda.graph.stream_ctx`, `CUDAGraph.capture_end/pool/reset`,
+`torch._C._cuda_endAllocateToPool`, `torch._C._cuda_releasePool`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class CaptureFailed(RuntimeError):
+    """A capture did not produce a graph; the process, its streams and its allocator are intact."""
+
+
+def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool=None):
+    """Run `fn()` under capture into `graph` (in `pool`, if given) and return its result."""
+    device = torch.cuda.current_device()
+    context = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+    try:
+        context.__enter__()
+    except Exception as error:
+        context.stream_ctx.__exit__(None, None, None)
+        raise CaptureFailed(f"capture could not begin: {type(error).__name__}: {error}") from error
+    body_error = end_error = None
+    result = None
+    try:
+        result = fn()
+    except Exception as error:  # noqa: BLE001 - reported below, after the capture is ended
+        body_error = error
+    try:
+        graph.capture_end()
+    except Exception as error:  # noqa: BLE001 - an invalidated capture
+        end_error = error
+    finally:
+        context.stream_ctx.__exit__(None, None, None)
+    if end_error is not None:  # capture_end stopped before returning the pool to the allocator
+        torch._C._cuda_endAllocateToPool(device, graph.pool())
+        torch._C._cuda_releasePool(device, graph.pool())
+    if body_error is None and end_error is None:
+        return result
+    if end_error is None:
+        graph.reset()  # a valid but partial graph: drop it (and its hold on the pool)
+    cause = body_error or end_error
+    raise CaptureFailed(f"{type(cause).__name__}: {cause}".strip()) from cause
