@@ -5,14 +5,17 @@ cudaStreamEndCapture before it hands the graph's memory pool back to the caching
 When the capture was invalidated (a host synchronization, another thread's unsafe CUDA call
 in "global" mode), capture_end raises there: the allocator still counts a capture underway and
 the next allocation or empty_cache aborts the process (`captures_underway.empty()` INTERNAL
-ASSERT, seen at EP=2), and `__exit__` never restores the current stream. `capture` ends every
-step itself and repairs both on failure, then raises `CaptureFailed` with the cause.
+ASSERT, seen at EP=2), `__exit__` never restores the current stream, and the CUDA RNG keeps
+its capture flag (the next random op outside a capture raises "Offset increment outside graph
+capture encountered unexpectedly"). `capture` ends every step itself and repairs all three on
+failure (the RNG by one trivial capture, whose end clears the flag), then raises
+`CaptureFailed` with the cause.
 
 Captures run in "thread_local" mode: the ProcessGroupNCCL watchdog thread queries events of
 earlier eager collectives, which in "global" mode may invalidate a capture on another thread.
 
 Torch internals used (checked by tests/unit/test_graph_capture_internals.py; torch 2.11-2.13):
-`torch.cuda.graph.stream_ctx`, `CUDAGraph.capture_end/pool/reset`,
+`torch.cuda.graph.stream_ctx`, `CUDAGraph.capture_end/reset`, `torch.cuda.graph_pool_handle`,
 `torch._C._cuda_endAllocateToPool`, `torch._C._cuda_releasePool`.
 """
 
@@ -30,6 +33,8 @@ class CaptureFailed(RuntimeError):
 def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool=None):
     """Run `fn()` under capture into `graph` (in `pool`, if given) and return its result."""
     device = torch.cuda.current_device()
+    if pool is None:  # name the pool ourselves: CUDAGraph.pool() refuses after a failed capture
+        pool = torch.cuda.graph_pool_handle()
     context = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
     try:
         context.__enter__()
@@ -49,11 +54,21 @@ def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool=None):
     finally:
         context.stream_ctx.__exit__(None, None, None)
     if end_error is not None:  # capture_end stopped before returning the pool to the allocator
-        torch._C._cuda_endAllocateToPool(device, graph.pool())
-        torch._C._cuda_releasePool(device, graph.pool())
+        torch._C._cuda_endAllocateToPool(device, pool)
+        torch._C._cuda_releasePool(device, pool)
+        _clear_rng_capture_flag()
     if body_error is None and end_error is None:
         return result
     if end_error is None:
         graph.reset()  # a valid but partial graph: drop it (and its hold on the pool)
     cause = body_error or end_error
     raise CaptureFailed(f"{type(cause).__name__}: {cause}".strip()) from cause
+
+
+def _clear_rng_capture_flag() -> None:
+    """A capture that ends cleanly runs the RNG's capture epilogue; one that failed did not."""
+    scratch = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        scratch.add_(1)
+    graph.reset()

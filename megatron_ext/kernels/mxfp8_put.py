@@ -87,15 +87,20 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
     _check_runnable(op, src)
     if T == 0 or K == 0:
         return
-    if blocks_per_program is None:
-        blocks_per_program = min(triton.next_power_of_2(n_blocks), MAX_BLOCKS_PER_PROGRAM)
+    if blocks_per_program is None:  # >= 4 values per thread (mxfp8_quant.MIN_ELEMENTS_PER_THREAD)
+        blocks_per_program = min(max(triton.next_power_of_2(n_blocks), mxfp8_quant.MIN_ELEMENTS_PER_THREAD),
+                                 MAX_BLOCKS_PER_PROGRAM)
+    if num_warps is None:
+        num_warps = max(1, min(NUM_WARPS, blocks_per_program // mxfp8_quant.MIN_ELEMENTS_PER_THREAD))
     _require(blocks_per_program > 0 and blocks_per_program & (blocks_per_program - 1) == 0,
              f"{op}: blocks_per_program must be a power of two, got {blocks_per_program}")
+    if src.is_cuda:  # the interpreter has no warps
+        mxfp8_quant.check_tile_elements(blocks_per_program * 32, num_warps, op)
     bits = src.view(torch.int16) if src.dtype == torch.bfloat16 else src.view(torch.int32)
     _put_rows_mxfp8_kernel[(T,)](
         bits, dest_rank, dest_row, peer_table, H, K, packed_row_bytes(H),
         INPUT_BF16=src.dtype == torch.bfloat16,
         NATIVE_FP8_CAST=src.is_cuda and mxfp8_quant.NATIVE_FP8_CAST_ON_GPU,
-        BLOCKS=blocks_per_program, num_warps=NUM_WARPS if num_warps is None else num_warps,
+        BLOCKS=blocks_per_program, num_warps=num_warps,
     )
 

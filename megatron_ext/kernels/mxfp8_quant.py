@@ -51,6 +51,17 @@ from megatron_ext.moe.mxfp8 import (
 ROWS_PER_PROGRAM = 4
 MAX_BLOCKS_PER_PROGRAM = 32  # 32 blocks x 32 values = 1024 values of a row per program
 NUM_WARPS = 4
+# Triton 3.6 on sm90 stores only every other byte of a uint8 tile that gives each thread exactly
+# 2 elements (measured on H200: the fused PUT at H=256, 8 blocks x 32 values over 4 warps).
+# Tiles here give each thread at least MIN_ELEMENTS_PER_THREAD; masking covers the extra blocks.
+MIN_ELEMENTS_PER_THREAD = 4
+
+
+def check_tile_elements(elements: int, num_warps: int, op: str) -> None:
+    """Refuse a uint8 tile layout of exactly 2 elements per thread (the miscompiled case)."""
+    if elements == 2 * 32 * num_warps:
+        raise ValueError(f"{op}: a tile of {elements} values over {num_warps} warps gives each thread 2 bytes, "
+                         f"which Triton 3.6 stores wrongly on sm90; pick another blocks/num_warps pair")
 # On CUDA, use the hardware fp32 <-> e4m3 and fp32 -> bf16 conversions (RNE; ~16% faster
 # quantize at [8192, 2048] on H200); the interpreter always takes the integer path.
 NATIVE_FP8_CAST_ON_GPU = True
@@ -172,7 +183,8 @@ def _dequantize_kernel(
 
 
 def _grid(n_rows: int, n_blocks: int) -> tuple[tuple[int, int], int]:
-    blocks_per_program = min(triton.next_power_of_2(n_blocks), MAX_BLOCKS_PER_PROGRAM)
+    min_blocks = MIN_ELEMENTS_PER_THREAD * NUM_WARPS // ROWS_PER_PROGRAM  # tile = ROWS x BLOCKS x 32
+    blocks_per_program = min(max(triton.next_power_of_2(n_blocks), min_blocks), MAX_BLOCKS_PER_PROGRAM)
     return (triton.cdiv(n_rows, ROWS_PER_PROGRAM), triton.cdiv(n_blocks, blocks_per_program)), blocks_per_program
 
 

@@ -131,3 +131,27 @@ def test_report_fused_put_time(capsys):
         with capsys.disabled():
             print(f"\n{name} T={T} H={H} K={K} M={M} ({kept} kept routes): {us:.1f} us, "
                   f"{moved[name] / us / 1e3:.0f} GB/s effective")
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 128, 256, 512, 1024, 4096])
+def test_fused_put_every_small_hidden(hidden):
+    """Default launch at each tile size: Triton 3.6 miscompiles uint8 tiles of 2 bytes per thread
+    (every other byte unwritten; H=256 on 4 warps), which the launch configuration avoids."""
+    x = torch.randn(24, hidden, device="cuda") * 3
+    dest_rank, dest_row = random_routes(24, 3, M, 512, drop=0.2, seed=hidden, device="cuda")
+    bufs = [torch.full((512, mxfp8.packed_row_bytes(hidden)), SENTINEL, dtype=torch.uint8, device="cuda")
+            for _ in range(M)]
+    put_rows_mxfp8(x, dest_rank, dest_row, peer_table_from_buffers(bufs))
+    want = expected_buffers(x, dest_rank, dest_row, M, 512)
+    for m in range(M):
+        assert torch.equal(bufs[m], want[m]), f"H={hidden} rank {m}: {int((bufs[m] != want[m]).any(1).sum())} rows differ"
+    packed = mxfp8_quant.quantize_rows_packed_triton(x)  # the standalone quantizer, same tile rule
+    assert torch.equal(packed, mxfp8.pack_rows(mxfp8.quantize_rows(x))), f"H={hidden} quantize_rows_packed_triton"
+
+
+def test_fused_put_refuses_the_miscompiled_tile():
+    x = torch.randn(4, 256, device="cuda")
+    dest_rank, dest_row = random_routes(4, 1, 1, 8, drop=0.0, seed=0, device="cuda")
+    buf = torch.zeros(8, mxfp8.packed_row_bytes(256), dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="2 bytes"):
+        put_rows_mxfp8(x, dest_rank, dest_row, peer_table_from_buffers([buf]), blocks_per_program=8, num_warps=4)

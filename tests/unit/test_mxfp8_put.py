@@ -60,3 +60,12 @@ def test_torch_transport_dispatch_quantized(dtype, hidden, poison):
         assert tail.view(torch.float32).isnan().all()
     else:
         assert not tail.any()
+
+
+def test_tile_rule_refuses_two_bytes_per_thread():
+    from megatron_ext.kernels.mxfp8_quant import check_tile_elements
+
+    check_tile_elements(512, 4, "op")  # 4 per thread: fine
+    check_tile_elements(128, 4, "op")  # 1 per thread: fine
+    with pytest.raises(ValueError, match="2 bytes"):
+        check_tile_elements(256, 4, "op")
