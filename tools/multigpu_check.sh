@@ -9,7 +9,8 @@
 #   --steps   comma-separated subset, in this order (default: all):
 #               preflight   versions, GPU count, NVLink safety settings
 #               rowwise     pytest tests/gpu/test_rowwise_multigpu.py (symm vs torch transport, poison,
-#                           leases, graph capture at EP>1, on 2/4/8 GPUs up to NUM_GPUS)
+#                           leases, graphs at EP>1 through the runner, the EP=2 stress of 20 steps per
+#                           setting, a capture failing on one rank, a 2-rank run's clean exit)
 #               ddp         pytest tests/gpu/test_ddp_megatron_gpu.py (multi-group DDP over NCCL)
 #               deepep      pytest tests/gpu/test_deepep_multigpu.py, if that file exists
 #               transport   torchrun tools/bench_transport.py (PUT/GET GB/s per GPU vs 450 GB/s)
@@ -38,7 +39,7 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
 # Per-step wall-clock limits in seconds (coreutils timeout; the step is killed and counted FAILED).
-declare -A LIMIT=([preflight]=120 [rowwise]=480 [ddp]=240 [deepep]=480 [transport]=300 [ep]=480 [functional]=1320)
+declare -A LIMIT=([preflight]=120 [rowwise]=570 [ddp]=240 [deepep]=480 [transport]=300 [ep]=480 [functional]=1320)
 
 usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 
