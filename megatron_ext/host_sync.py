@@ -1,4 +1,4 @@
-"""Proofs of synchronization freedom on the GPU (DESIGN 4), strongest first.
+"""Proofs of synchronization freedom on the GPU (docs/design.md, "Proofs of synchronization freedom"), strongest first.
 
 1. `capture_replay(step)`: capture one forward+backward in a CUDA graph and replay it; a host
    synchronization inside makes capture fail (cudaErrorStreamCaptureInvalidated / "operation

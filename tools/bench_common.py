@@ -1,4 +1,4 @@
-"""Shared helpers for the tools/ benchmarks (seeds/003 measurement contract, DESIGN.md section 10).
+"""Shared helpers for the tools/ benchmarks (seeds/003 measurement contract, BENCHMARKS.md).
 
 Timing: `cuda_time_ms` (device time per iteration from CUDA events, after warm-up) and
 `host_time_ms` (Python submission time per iteration, no synchronization inside the timed

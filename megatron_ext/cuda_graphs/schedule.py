@@ -1,7 +1,7 @@
 """How many microbatches of one layer are alive at once under Megatron's pipeline schedules.
 
 A microbatch is alive in a layer from its forward until its backward. That count is the
-number of graph slots and dispatch-buffer leases a layer needs (DESIGN 6): one slot per layer
+number of graph slots and dispatch-buffer leases a layer needs (docs/design.md, "CUDA graphs"): one slot per layer
 is overwritten as soon as a second microbatch runs forward before the first one's backward.
 """
 

@@ -1,7 +1,7 @@
 """Multi-group gradient buckets: each bucket reduced over its own replica group.
 
 Dense parameters (attention, router, shared experts, norms, embeddings) are replicated over
-DP x CP; routed-expert parameters only over EP_DP (DESIGN.md sections 3.1 and 5). Reducing an
+DP x CP; routed-expert parameters only over EP_DP (docs/design.md, "Parallel Folding and DDP buckets"). Reducing an
 expert gradient over the full DP would add the gradients of *different* expert shards: it
 silently trains a wrong model. This module:
 

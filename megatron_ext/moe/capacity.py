@@ -1,4 +1,4 @@
-"""Static per-destination-rank capacity of the rowwise dispatch buffer (DESIGN 3.3).
+"""Static per-destination-rank capacity of the rowwise dispatch buffer (docs/design.md, "Route map").
 
 The capacity is fixed before training so that every buffer, send block and kernel launch
 has a shape known on the host: this removes the per-layer host wait for split sizes that

@@ -1,4 +1,4 @@
-"""MXFP8 rows: the payload format of MXFP8 expert-parallel dispatch (DESIGN.md section 3.8).
+"""MXFP8 rows: the payload format of MXFP8 expert-parallel dispatch (docs/design.md, "MXFP8 payloads").
 
 Format
 ------

@@ -1,4 +1,4 @@
-"""Device-only route map for rowwise expert parallelism (DESIGN 3.2).
+"""Device-only route map for rowwise expert parallelism (docs/design.md, "Route map").
 
 For every route (token t, slot k) a source rank computes, on the device, the destination
 rank and the exact row of that rank's static-capacity dispatch buffer, so rows can be moved

@@ -1,4 +1,4 @@
-"""Autograd for the rowwise transfers: dispatch = PUT / GET, combine = GET / PUT (DESIGN 3.4).
+"""Autograd for the rowwise transfers: dispatch = PUT / GET, combine = GET / PUT (docs/design.md, "Transfers").
 
 Backward reuses the forward's route map, so no metadata moves again. Router-probability
 gradients are dot(grad_out[t], expert_out_row[t, k]); dropped routes get exactly zero in every

@@ -4,7 +4,7 @@ Both meshes cover the same world and share their pipeline (PP) groups. Inside on
 stage the attention ranks TP x CP x DP are refolded as ETP x EP x EDP for the expert layers:
 
     world = TP * CP * DP * PP = ETP * EP * EDP * PP,  so  TP * CP * DP = ETP * EP * EDP
-    (with ETP = TP this is D * C = M_E * D_E of DESIGN.md section 3.1)
+    (with ETP = TP this is D * C = M_E * D_E (docs/design.md, "Parallel Folding and DDP buckets"))
 
 EP is the EP_MP axis (ranks holding different expert shards, exchanging token rows) and EDP
 the EP_DP axis (replicas of one expert shard, reducing its gradients).

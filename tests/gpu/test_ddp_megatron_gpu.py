@@ -1,4 +1,4 @@
-"""Multi-group DDP on CUDA with NCCL (DESIGN.md section 5): Megatron's DistributedDataParallel
+"""Multi-group DDP on CUDA with NCCL (docs/design.md, "Parallel Folding and DDP buckets"): Megatron's DistributedDataParallel
 with the folding hook, and MultiGroupGradBuckets, against plain autograd on the global batch.
 
 Per world (1 GPU always; 2 GPUs when present, DP2 with the expert group EP_DP = DP):

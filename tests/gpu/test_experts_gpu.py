@@ -1,4 +1,4 @@
-"""DeviceOffsetGroupedMLP and the tail-aware SwiGLU on CUDA, bf16 (issue 3, DESIGN.md 3.7).
+"""DeviceOffsetGroupedMLP and the tail-aware SwiGLU on CUDA, bf16 (issue 3, docs/design.md, "Experts").
 
 - parity with Megatron's SequentialMLP on the same weights and permuted rows (output and every
   gradient), with an empty expert;

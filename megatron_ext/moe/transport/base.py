@@ -1,4 +1,4 @@
-"""The row-transport interface every backend implements: the four transfers (DESIGN 3.4).
+"""The row-transport interface every backend implements: the four transfers (docs/design.md, "Transfers").
 
   dispatch(tokens [T, H], route) -> (buffer [C, H], lease)
       PUT: each kept route (t, k) writes tokens[t] into row dest_row[t, k] of rank

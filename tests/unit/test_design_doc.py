@@ -1,0 +1,26 @@
+"""Code that cites docs/design.md names sections that exist there (the notes live in the repo)."""
+
+import pathlib
+import re
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CITATION = re.compile(r'docs/design\.md, "([^"]+)"')
+
+
+def test_every_cited_design_section_exists():
+    headings = {line[3:].strip() for line in (REPO / "docs" / "design.md").read_text().splitlines()
+                if line.startswith("## ")}
+    cited = {}
+    for path in [*REPO.glob("megatron_ext/**/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("tests/**/*.py"),
+                 REPO / "BENCHMARKS.md", REPO / "README.md"]:
+        for name in CITATION.findall(path.read_text()):
+            cited.setdefault(name, path.relative_to(REPO))
+    assert len(cited) >= 6, f"expected the code to cite the design notes, found {sorted(cited)}"
+    missing = {name: str(path) for name, path in cited.items() if name not in headings}
+    assert not missing, f"cited sections missing from docs/design.md: {missing}; headings: {sorted(headings)}"
+
+
+def test_no_citation_of_a_design_file_outside_the_repo():
+    offenders = [str(p.relative_to(REPO)) for p in [*REPO.glob("megatron_ext/**/*.py"), *REPO.glob("tools/*.py")]
+                 if re.search(r"\bDESIGN(\.md)?\b", p.read_text())]
+    assert not offenders, f"cite docs/design.md instead of DESIGN.md in: {offenders}"
