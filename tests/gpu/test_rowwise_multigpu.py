@@ -63,6 +63,13 @@ def _rank_main(rank, world, port):
     assert torch.equal(ref[5], symm[5]), "keep decisions / rows differ between transports"
     for name, a, b in zip(NAMES, symm, ref):
         assert_close(a, b, 2e-2, f"rank {rank} symm vs torch {name}")
+    # MXFP8 payloads at EP > 1: the symm transport's fused quantize+PUT equals the torch transport's
+    # quantize-then-exchange (same bytes), so both paths agree to bf16 rounding of the combine.
+    mx_ref, mx_symm = _step(layer("torch", mxfp8_dispatch=True), x, g), _step(layer("symm", mxfp8_dispatch=True), x, g)
+    assert torch.equal(mx_ref[5], mx_symm[5]), "MXFP8: keep decisions differ between transports"
+    for name, a, b in zip(NAMES, mx_symm, mx_ref):
+        assert_close(a, b, 2e-2, f"rank {rank} MXFP8 symm vs torch {name}")
+    assert not torch.equal(mx_symm[0], symm[0]), "MXFP8 output equals BF16's bitwise: the payload stayed BF16"
     poisoned = layer("symm", debug_poison=True)
     for _ in range(2):
         got = _step(poisoned, x, g)
