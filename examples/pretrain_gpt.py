@@ -108,64 +108,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1).float()])}
 
 
-class RoutingMetricsLogger:
-    """Every --moe-ext-metrics-interval iterations, print rank 0's routing metrics (one host read)."""
-
-    def __init__(self):
-        self.last_iteration = None
-
-    def __call__(self, model, interval: int) -> None:
-        from megatron.training import get_args
-
-        iteration = getattr(get_args(), "curr_iteration", 0)
-        if not interval or iteration % interval or iteration == self.last_iteration:
-            return
-        self.last_iteration = iteration
-        if torch.distributed.get_rank() != 0:
-            return
-        layers = [m for m in model.modules() if hasattr(m, "read_metrics")]
-        reads = [m for m in (layer.read_metrics() for layer in layers) if m is not None]
-        if reads:
-            dropped = sum(r["dropped_routes"] for r in reads)
-            fill = sum(r["mean_buffer_fill"] for r in reads) / len(reads)
-            print(f"megatron_ext routing (rank 0, iterations up to {iteration}): dropped routes {dropped} | "
-                  f"mean capacity fill {fill:.3f} | capacity {reads[0]['capacity']} rows", flush=True)
-
-
-log_routing_metrics = RoutingMetricsLogger()
-
-
-class ReplicaChecker:
-    """Every --moe-ext-replica-check-interval iterations, check that replicas agree (collective:
-    every rank runs it at the first microbatch of the same iterations)."""
-
-    def __init__(self):
-        self.last_iteration = None
-
-    def __call__(self, model, interval: int) -> None:
-        from megatron.training import get_args
-
-        from megatron_ext.ddp.buckets import groups_from_parallel_state
-        from megatron_ext.ddp.replica_check import maybe_check_replicas
-
-        iteration = getattr(get_args(), "curr_iteration", 0)
-        if not interval or iteration == self.last_iteration:
-            return
-        self.last_iteration = iteration
-        maybe_check_replicas(iteration, interval, model, groups_from_parallel_state())
-
-
-check_replicas_every = ReplicaChecker()
-
-
 def forward_step(data_iterator, model):
     """Megatron's forward_step contract: (output tensor, loss function of it)."""
     from megatron.core.utils import get_attr_wrapped_model
-    from megatron.training import get_args, get_timers
+    from megatron.training import get_timers
 
-    args = get_args()
-    log_routing_metrics(model, args.moe_ext_metrics_interval)
-    check_replicas_every(model, args.moe_ext_replica_check_interval)
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
@@ -215,6 +162,9 @@ train_valid_test_datasets_provider.is_distributed = True  # build on the ranks a
 
 
 def main(argv: list[str] | None = None) -> None:
+    from megatron_ext.quiet import quiet_known_warnings
+
+    quiet_known_warnings(announce=int(os.environ.get("RANK", "0")) == 0)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

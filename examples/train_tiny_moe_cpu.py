@@ -4,22 +4,23 @@ Megatron-Core's GPTModel with megatron_ext's RowwiseMoELayer (reference transpor
 trains on synthetic data; every step prints loss, tokens/s, dropped routes, capacity fill
 and the host synchronizations counted inside the MoE layers' forward.
 
-    python examples/train_tiny_moe_cpu.py [--steps 30] [--ranks 2] [--capacity-factor 1.25]
+    python examples/train_tiny_moe_cpu.py [--steps 30] [--ranks 2] [--capacity-factor 1.25 | --dropless]
     python examples/train_tiny_moe_cpu.py --megatron-baseline   # Megatron's own MoE layer
     python examples/train_tiny_moe_cpu.py --log-format megatron # Megatron's log lines (functional tests)
 """
 
 import argparse
 import functools
+import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.quiet import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()
 from megatron_ext._cpu import apply_cpu_shims  # noqa: E402
-
-apply_cpu_shims()
-
 from megatron_ext.config import MoEExtConfig  # noqa: E402
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks  # noqa: E402
 from megatron_ext.tiny_gpt import TinyGPTConfig, train  # noqa: E402
@@ -42,23 +43,49 @@ def print_step_megatron(steps, ranks, record):
           f"MoE host syncs: {record['moe_host_syncs']} |", flush=True)
 
 
-def main():
+def parse_args():
+    """Parsed and checked flags: a bad value exits with a usage error (code 2) before any rank starts."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo); EP equals this")
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--megatron-baseline", action="store_true", help="Megatron's alltoall MoE layer instead")
+    parser.add_argument("--steps", type=int, default=30,
+                        help="training steps, >= 2 (the job checks that the loss falls)")
+    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo); EP equals this, so it must divide "
+                                                             "the expert count")
+    parser.add_argument("--capacity-factor", type=float, default=1.25,
+                        help="per-rank dispatch capacity = cf x tokens x top-k rows (rounded up to 16); > 0")
+    layer = parser.add_mutually_exclusive_group()
+    layer.add_argument("--dropless", action="store_true", help="size the capacity for the worst case: no route dropped")
+    layer.add_argument("--megatron-baseline", action="store_true", help="Megatron's alltoall MoE layer instead")
     parser.add_argument("--log-format", choices=("default", "megatron"), default="default",
                         help="megatron: Megatron's per-iteration log lines (lm loss: %%.6E), for functional tests")
     args = parser.parse_args()
+    experts = TinyGPTConfig().experts
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2 (the job checks that the loss falls after the first step), "
+                     f"got {args.steps}")
+    if args.ranks < 1 or experts % args.ranks:
+        divisors = ", ".join(str(n) for n in range(1, experts + 1) if experts % n == 0)
+        parser.error(f"--ranks must divide the tiny model's {experts} experts (EP equals --ranks), got {args.ranks}; "
+                     f"use one of {divisors}")
+    if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
+        parser.error(f"--capacity-factor must be a finite number > 0, got {args.capacity_factor}; "
+                     f"use e.g. 1.25, or --dropless to never drop routes")
+    return args
+
+
+def main():
+    args = parse_args()
+    apply_cpu_shims()
     log = print_step if args.log_format == "default" else functools.partial(print_step_megatron, args.steps, args.ranks)
-    ext = None if args.megatron_baseline else MoEExtConfig(transport="torch", capacity_factor=args.capacity_factor)
-    what = "Megatron alltoall MoELayer" if ext is None else f"megatron_ext RowwiseMoELayer (torch transport, cf {args.capacity_factor})"
+    ext = None if args.megatron_baseline else MoEExtConfig(transport="torch", capacity_factor=args.capacity_factor,
+                                                           dropless=args.dropless)
+    sizing = "dropless" if args.dropless else f"cf {args.capacity_factor}"
+    what = "Megatron alltoall MoELayer" if ext is None else f"megatron_ext RowwiseMoELayer (torch transport, {sizing})"
     print(f"tiny GPT-MoE, {args.ranks} CPU ranks, EP={args.ranks}, {what}", flush=True)
     records = run_on_ranks(train, args.ranks, TinyGPTConfig(), ext, args.steps, log,
                            sizes=ParallelSizes(ep=args.ranks), timeout=1800)[0]
-    first, last = records[0]["loss"], sum(r["loss"] for r in records[-3:]) / min(3, len(records))
-    print(f"loss {first:.4f} -> {last:.4f} (mean of last 3 steps)", flush=True)
+    tail = records[-3:]
+    first, last = records[0]["loss"], sum(r["loss"] for r in tail) / len(tail)
+    print(f"loss {first:.4f} -> {last:.4f} (mean of last {len(tail)} steps)", flush=True)
     if not last < first:
         raise SystemExit("the loss did not fall")
 

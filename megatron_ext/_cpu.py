@@ -17,7 +17,7 @@ import inspect
 
 import torch
 
-MEGATRON_VERSION = "0.19.2"
+from megatron_ext.rules import MEGATRON_VERSION
 
 # (module, attribute, parameter names the shim assumes) for every Megatron name we replace.
 SHIM_TARGETS = [

@@ -10,7 +10,8 @@ The flag table (`FLAGS`) is the single source: help texts, `--help`, the README 
 from MoEExtConfig's own field defaults. Runtime conditions (e.g. `--moe-ext-transport symm`
 without GPUs) are checked where the layer is built, not here.
 
-Written against megatron-core 0.19.2 (the names of Megatron's own flags and `args` fields).
+Written against megatron-core 0.19.2 (megatron_ext.rules.MEGATRON_VERSION: the names of Megatron's
+own flags and `args` fields); the rules shared with the layer live in megatron_ext.rules.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_ext.config import DISPATCHERS, TRANSPORTS, MoEExtConfig
+from megatron_ext.rules import ExpertSettings, expert_problems, rowwise_problems
 
 GROUP_TITLE = "megatron_ext MoE"
 DEST_PREFIX = "moe_ext_"
@@ -77,19 +79,20 @@ FLAGS: tuple[ExtFlag, ...] = (
             help="Capture the whole MoE layer (forward and backward) in CUDA graphs; needs "
                  "--moe-ext-dispatcher rowwise."),
     ExtFlag("ddp_buckets", "--moe-ext-ddp-buckets", "on",
-            help="Reduce gradients with megatron_ext's multi-group DDP buckets (dense over DP x CP, "
-                 "experts over expert-data-parallel, one launch order on every rank)."),
+            help="Reserved for megatron_ext's multi-group DDP buckets, not yet wired into megatron.training: "
+                 "refused; wrap the DDP with megatron_ext.ddp.megatron_hook.install_folding_ddp instead."),
     ExtFlag("metrics_interval", "--moe-ext-metrics-interval", "value", type=int, metavar="N",
-            help="Read routing metrics (dropped routes, capacity fill, routes per expert) on the host "
-                 "every N steps; reading synchronizes, so 0 (never) is the default."),
+            help="Print rank 0's routing metrics (dropped routes, capacity fill) every N iterations, after "
+                 "Megatron's train_step, under any training script; reading synchronizes, so 0 (never) is the default."),
     ExtFlag("replica_check_interval", "--moe-ext-replica-check-interval", "value", type=int, metavar="N",
-            help="Every N steps compare parameter checksums across each replica group (dense over "
-                 "DP x CP, experts over expert-data-parallel) and stop naming the first parameter that "
-                 "disagrees; synchronizes, so 0 (never) is the default."),
+            help="Every N iterations (after Megatron's train_step, under any training script) compare parameter "
+                 "checksums across each replica group (dense over DP x CP, experts over expert-data-parallel) "
+                 "and stop naming the first parameter that disagrees; synchronizes, so 0 (never) is the default."),
     ExtFlag("debug_poison", "--moe-ext-debug-poison", "on",
             help="Debug: fill capacity tails and released buffers with NaN so stale reads show up."),
     ExtFlag("debug_checks", "--moe-ext-debug-checks", "on",
-            help="Debug: extra validation of route maps and offsets (synchronizes with the host)."),
+            help="Debug: validate every route map (destinations in range, owner ranks, distinct rows, offsets) "
+                 "and the experts' offsets; synchronizes with the host, and CUDA graphs are refused."),
     ExtFlag("lease_slots", "--moe-ext-lease-slots", "value", type=int, metavar="N",
             help="Dispatch-buffer slots per MoE layer (microbatches in flight per layer; symm transport); "
                  "raise it for pipeline schedules that keep several microbatches of a layer alive."),
@@ -143,7 +146,7 @@ def ext_config_from_args(args) -> MoEExtConfig:
     values = {f.field: getattr(args, f.dest) for f in FLAGS}
     try:
         return MoEExtConfig(**values)
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         raise MoEExtArgumentError(_name_flags(str(error))) from None
 
 
@@ -186,90 +189,36 @@ def _value_flag(name: str, value) -> str:
 
 
 def _rowwise_conflicts(args) -> list[str]:
-    """Megatron options the rowwise dispatcher refuses (mirrors megatron_ext.moe.layer._INCOMPATIBLE)."""
-    rowwise = "--moe-ext-dispatcher rowwise"
-    problems = []
-    checks = [
-        ("moe_expert_capacity_factor", "--moe-expert-capacity-factor",
-         "Megatron's per-expert capacity drops tokens on its host path; use --moe-ext-capacity-factor "
-         "(per-destination-rank capacity) instead"),
-        ("moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity",
-         "padding to capacity happens in Megatron's dispatcher; the rowwise buffers are static already"),
-        ("moe_shared_expert_overlap", "--moe-shared-expert-overlap",
-         "the overlap lives inside Megatron's dispatcher; drop the flag (shared experts still run)"),
-        ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
-         "it is built for Megatron's alltoall/flex dispatchers"),
-        ("moe_latent_size", "--moe-latent-size", "it needs Transformer Engine latent projections"),
-        ("moe_enable_deepep", "--moe-enable-deepep",
-         "it selects Megatron's flex dispatcher; for DeepEP use --moe-ext-transport deepep"),
-    ]
-    for dest, flag, why in checks:
-        value = getattr(args, dest, None)
-        if value not in (None, False, 0):
-            problems.append(f"{rowwise} cannot be combined with {_value_flag(flag, value)}: {why}; "
-                            f"or use --moe-ext-dispatcher megatron")
-    if getattr(args, "moe_token_dispatcher_type", None) == "flex":
-        problems.append(f"{rowwise} cannot be combined with --moe-token-dispatcher-type flex: Megatron would "
-                        f"build its flex (DeepEP/HybridEP) dispatcher first; use --moe-token-dispatcher-type "
-                        f"alltoall (ignored by the rowwise layer) and --moe-ext-transport deepep for DeepEP, or "
-                        f"--moe-ext-dispatcher megatron to keep flex")
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    if etp is not None and etp > 1:
-        problems.append(f"{rowwise} cannot be combined with --expert-tensor-parallel-size {etp}: experts are "
-                        f"not sharded over tensor parallelism; use --expert-tensor-parallel-size 1 and fold the "
-                        f"experts over --expert-model-parallel-size instead")
-    elif etp is None and tp > 1:
-        problems.append(f"{rowwise} with --tensor-model-parallel-size {tp} needs --expert-tensor-parallel-size 1 "
-                        f"(Megatron defaults the expert tensor-parallel size to the tensor-parallel size, and "
-                        f"the rowwise experts are not sharded over tensor parallelism)")
-    return problems
+    """Megatron options the rowwise dispatcher refuses (megatron_ext.rules, shared with the layer)."""
+    return [f"--moe-ext-dispatcher rowwise cannot be combined with {problem}; or use --moe-ext-dispatcher megatron"
+            for problem in rowwise_problems(args)]
 
 
 def _ext_flag_conflicts(args) -> list[str]:
-    """Combinations of --moe-ext-* flags with each other or with the model's shape."""
-    problems = []
-    dispatcher = getattr(args, "moe_ext_dispatcher")
-    if dispatcher == "megatron":
-        if getattr(args, "moe_ext_mxfp8_dispatch"):
-            problems.append("--moe-ext-mxfp8-dispatch needs --moe-ext-dispatcher rowwise (the payload is "
-                            "quantized inside the rowwise dispatch), got --moe-ext-dispatcher megatron")
-        if getattr(args, "moe_ext_cuda_graphs"):
-            problems.append("--moe-ext-cuda-graphs captures the synchronization-free rowwise layer; "
-                            "--moe-ext-dispatcher megatron synchronizes with the host. Use "
-                            "--moe-ext-dispatcher rowwise")
-        if getattr(args, "moe_ext_transport") != "auto":
-            problems.append(f"--moe-ext-transport {args.moe_ext_transport} only applies to "
-                            f"--moe-ext-dispatcher rowwise; --moe-ext-dispatcher megatron moves tokens with "
-                            f"--moe-token-dispatcher-type")
+    """--moe-ext-* flags against the model's shape (combinations of the flags themselves are
+    MoEExtConfig's checks, reported with flag names by ext_config_from_args)."""
     hidden = getattr(args, "hidden_size", None)
     if getattr(args, "moe_ext_mxfp8_dispatch") and hidden is not None and hidden % 32:
-        problems.append(f"--moe-ext-mxfp8-dispatch needs --hidden-size divisible by 32 (one E8M0 scale per 32 "
-                        f"values), got --hidden-size {hidden}")
-    return problems
+        return [f"--moe-ext-mxfp8-dispatch needs --hidden-size divisible by 32 (one E8M0 scale per 32 "
+                f"values), got --hidden-size {hidden}"]
+    return []
 
 
 def _expert_conflicts(args) -> list[str]:
-    """What megatron_ext's grouped SwiGLU experts (both dispatchers) need from the model."""
+    """What megatron_ext's grouped experts (both dispatchers) need (megatron_ext.rules), plus the
+    launcher-only norm check."""
     experts = f"--num-experts {args.num_experts} with megatron_ext's grouped experts (--moe-ext-dispatcher " \
               f"{args.moe_ext_dispatcher})"
-    problems = []
-    if not getattr(args, "swiglu", False):
-        problems.append(f"{experts} needs --swiglu: the experts are SwiGLU (gated linear unit with SiLU) only")
-    if getattr(args, "add_bias_linear", False):
-        problems.append(f"{experts} needs --disable-bias-linear: the experts have no biases "
-                        f"(Megatron's default --add-bias-linear behaviour is on)")
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    if args.num_experts % ep:
-        problems.append(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
-                        f"{ep}: every expert-parallel rank holds the same number of experts")
+    problems = [f"{experts}: {problem}" for problem in expert_problems(ExpertSettings.from_args(args))]
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and getattr(args, "spec", None) is None \
+            and importlib.util.find_spec("transformer_engine") is None:
+        problems.append("--transformer-impl transformer_engine (Megatron's default) without Transformer Engine "
+                        "installed: use --transformer-impl local (with --no-persist-layer-norm), or install "
+                        "megatron-ext[te]")
     if getattr(args, "transformer_impl", None) == "local" and not getattr(args, "no_persist_layer_norm", True) \
             and importlib.util.find_spec("apex") is None:
         problems.append("--transformer-impl local without Apex needs --no-persist-layer-norm: Megatron's torch "
                         "norm (WrappedTorchNorm) refuses persist_layer_norm, which is on by default")
-    topk = getattr(args, "moe_router_topk", None)
-    if topk is not None and topk > args.num_experts:
-        problems.append(f"--moe-router-topk {topk} exceeds --num-experts {args.num_experts}")
     return problems
 
 
@@ -282,9 +231,8 @@ def validate_against_megatron(args) -> None:
     """
     if not hasattr(args, FLAGS[0].dest):
         ext_config_from_args(args)  # raises: the group was never added
-    problems = _ext_flag_conflicts(args)  # before MoEExtConfig, whose own message names fields
-    if not problems:
-        ext_config_from_args(args)  # single-value errors, named by flag
+    ext_config_from_args(args)  # MoEExtConfig's own checks, named by flag
+    problems = _ext_flag_conflicts(args)
     if getattr(args, "num_experts", None) is not None:
         problems += _expert_conflicts(args)
         if args.moe_ext_dispatcher == "rowwise":

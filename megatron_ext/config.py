@@ -6,6 +6,7 @@ behaviour is switched by environment variables.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 DISPATCHERS = ("rowwise", "megatron")
@@ -56,12 +57,20 @@ class MoEExtConfig:
     compile_route_map: bool = True
 
     def __post_init__(self):
+        for name in ("dropless", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison", "debug_checks",
+                     "compile_route_map"):
+            _require_type(name, getattr(self, name), bool, "True or False")
+        for name in ("metrics_interval", "replica_check_interval", "lease_slots"):
+            _require_type(name, getattr(self, name), int, "an integer")
+        if self.max_tokens_per_rank is not None:
+            _require_type("max_tokens_per_rank", self.max_tokens_per_rank, int, "an integer or None")
+        _require_type("capacity_factor", self.capacity_factor, (int, float), "a number such as 1.25")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown MoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown row transport {self.transport!r}; choose one of {TRANSPORTS}")
-        if not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}; "
+        if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"capacity_factor must be > 0 and finite, got {self.capacity_factor}; "
                              f"use e.g. 1.25, or dropless=True to never drop routes")
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1 (or None), got {self.max_tokens_per_rank}")
@@ -71,13 +80,25 @@ class MoEExtConfig:
             raise ValueError(f"replica_check_interval must be >= 0, got {self.replica_check_interval}")
         if self.lease_slots < 1:
             raise ValueError(f"lease_slots must be >= 1, got {self.lease_slots}")
-        if self.dispatcher == "megatron" and self.mxfp8_dispatch:
-            raise ValueError("mxfp8_dispatch needs dispatcher='rowwise' (the payload is quantized inside "
-                             "the rowwise dispatch)")
-        if self.dispatcher == "megatron" and self.cuda_graphs:
-            raise ValueError("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
-                             "dispatchers synchronize with the host. Use dispatcher='rowwise'.")
+        if self.dispatcher == "megatron":
+            if self.mxfp8_dispatch:
+                raise ValueError("mxfp8_dispatch needs dispatcher='rowwise' (the payload is quantized inside "
+                                 "the rowwise dispatch), got dispatcher='megatron'")
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
+                                 "dispatchers synchronize with the host (dispatcher='megatron'). Use dispatcher='rowwise'.")
+            if self.transport != "auto":
+                raise ValueError(f"transport={self.transport!r} only applies to dispatcher='rowwise'; "
+                                 f"dispatcher='megatron' moves tokens with Megatron's moe_token_dispatcher_type "
+                                 f"(leave transport='auto')")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def _require_type(name: str, value, kinds, expected: str) -> None:
+    """Refuse a value of the wrong type (bool is not an int here, a string is not a number)."""
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")

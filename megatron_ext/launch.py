@@ -34,8 +34,8 @@ import sys
 
 from megatron_ext.arguments import (MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
                                     validate_against_megatron)
+from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
-MEGATRON_VERSION = "0.19.2"
 EXT_SPEC = ["megatron_ext.specs", "gpt_block_spec"]
 
 # MoEExtConfig fields that nothing in megatron.training's loop consumes yet: refused under the
@@ -54,9 +54,6 @@ __main__ with megatron_ext's --moe-ext-* flags added to Megatron's parser and me
 MoE specs installed for MoE models (--num-experts, no --spec given).
 See the flags with: python -m megatron_ext.launch SCRIPT.py --help"""
 
-
-class MegatronInternalsChanged(RuntimeError):
-    """A Megatron name or signature the launcher hooks is not what it was in 0.19.2."""
 
 
 def check_megatron_hook_points() -> None:
@@ -128,7 +125,7 @@ def prepare_parsed_args(args) -> None:
     """
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_ext import specs
+    from megatron_ext import specs, training_hooks
 
     validate_against_megatron(args)
     ext_config = ext_config_from_args(args)
@@ -137,6 +134,7 @@ def prepare_parsed_args(args) -> None:
             if getattr(ext_config, field):
                 raise MoEExtArgumentError(why)
     specs.set_default_ext_config(ext_config)
+    training_hooks.install(ext_config)  # metrics and replica checks after every train_step, any script
     if getattr(args, "num_experts", None) is None:
         return  # dense model: nothing of ours to install
     if getattr(args, "hybrid_layer_pattern", None) is not None:
@@ -150,7 +148,7 @@ def prepare_parsed_args(args) -> None:
                 "megatron_ext's MoE specs (--spec megatron_ext.specs gpt_block_spec); use another "
                 "--attention-backend (e.g. auto, flash, fused, unfused)")
         args.spec = list(EXT_SPEC)
-        _print_rank_0(f"megatron_ext: MoE layers from --spec {' '.join(EXT_SPEC)} ({ext_config})")
+        _print_once(f"megatron_ext: MoE layers from --spec {' '.join(EXT_SPEC)} ({ext_config})")
     elif args.spec[0].startswith("megatron_ext"):
         _resolve_spec(args.spec)
 
@@ -165,6 +163,16 @@ def _resolve_spec(spec: list[str]) -> None:
     module = importlib.import_module(spec[0])
     if not callable(getattr(module, spec[1], None)):
         raise MoEExtArgumentError(f"--spec {' '.join(spec)}: {spec[0]} has no spec builder {spec[1]!r}")
+
+
+_printed: set[str] = set()
+
+
+def _print_once(message: str) -> None:
+    """Rank 0, once per process: Megatron's training may parse the arguments more than once."""
+    if message not in _printed:
+        _printed.add(message)
+        _print_rank_0(message)
 
 
 def _print_rank_0(message: str) -> None:
@@ -238,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         raise SystemExit(0 if argv else 2)
+    from megatron_ext.quiet import quiet_known_warnings
+
+    quiet_known_warnings(announce=int(os.environ.get("RANK", "0")) == 0)
     run_script(argv[0], argv[1:])
 
 

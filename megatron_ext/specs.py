@@ -47,12 +47,19 @@ def _moe_submodules_of(builder) -> MoESubmodules:
 def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | None = None):
     """The MLP-slot builder for one MoE layer, keeping `base`'s router and shared experts."""
     ext_config = ext_config or default_ext_config()
+    if ext_config.ddp_buckets:  # a model-wrapping setting: no layer can honour it, so never drop it silently
+        raise ValueError("ddp_buckets=True is not applied by the MoE layers: wrap your DistributedDataParallel with "
+                         "megatron_ext.ddp.megatron_hook.install_folding_ddp(ddp, groups) (or build "
+                         "FoldingDistributedDataParallel) and leave ddp_buckets False")
     if base is None:  # Megatron's local MoE parts (router, shared-expert MLP)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
         from megatron.core.transformer.spec_utils import get_submodules
 
         base = get_submodules(get_gpt_layer_local_submodules(num_experts=2).mlp)
-    submodules = dataclasses.replace(base, experts=DeviceOffsetGroupedMLP)
+    experts = DeviceOffsetGroupedMLP
+    if ext_config.debug_checks:  # the experts validate their offsets (a host read per forward)
+        experts = functools.partial(DeviceOffsetGroupedMLP, debug_checks=True)
+    submodules = dataclasses.replace(base, experts=experts)
     if ext_config.dispatcher == "megatron":
         return functools.partial(MoELayer, submodules=submodules)
     return functools.partial(RowwiseMoELayer, submodules=submodules, ext_config=ext_config)
@@ -92,11 +99,26 @@ def swap_moe_parts(spec, ext_config: MoEExtConfig | None = None):
     return swapped
 
 
+def transformer_engine_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def require_transformer_engine(what: str, instead: str) -> None:
+    """Megatron's TE specs fail deep inside (`'NoneType' object is not callable`) without Transformer
+    Engine; say so up front. TransformerConfig.transformer_impl defaults to 'transformer_engine'."""
+    if not transformer_engine_available():
+        raise ImportError(f"{what} builds Transformer Engine layers, but transformer_engine is not installed; "
+                          f"use {instead}, or install megatron-ext[te]")
+
+
 def gpt_layer_spec(num_experts: int, ext_config: MoEExtConfig | None = None, use_te: bool = False, **kwargs):
     """Megatron's GPT layer spec (local or TE flavour) with megatron_ext's MoE parts."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
+        require_transformer_engine("gpt_layer_spec(..., use_te=True)", "use_te=False")
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, **kwargs)
     else:
         base = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, **kwargs)
@@ -121,6 +143,10 @@ def gpt_block_spec(config, use_transformer_engine: bool | None = None, ext_confi
         config = transformer
     if use_transformer_engine is None:
         use_transformer_engine = config.transformer_impl == "transformer_engine"
+    if use_transformer_engine:
+        require_transformer_engine(f"gpt_block_spec with transformer_impl={config.transformer_impl!r}",
+                                   "TransformerConfig(transformer_impl='local') (--transformer-impl local) or "
+                                   "use_transformer_engine=False")
     kwargs.setdefault("normalization", config.normalization)
     kwargs.setdefault("qk_l2_norm", config.qk_l2_norm)
     base = get_gpt_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage, pp_rank=pp_rank, **kwargs)

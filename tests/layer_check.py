@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tests.megatron_moe import expert_grads, load_weights, local_expert_range, moe_config, rank_tokens
-from tests.reference import MoEWeights, assert_close, dense_moe, route_topk
+from megatron_ext.testing.megatron_moe import expert_grads, load_weights, local_expert_range, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights, assert_close, dense_moe, route_topk
 
 
 @dataclass

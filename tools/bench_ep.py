@@ -51,39 +51,36 @@ What is measured, per path, after warm-up (medians over all ranks and iterations
   difference against the first path (same weights and routes: bf16 rounding only unless the
   rowwise capacity dropped routes), and a digest of the router's routing map, compared across
   paths to prove the routes were the same.
-Result JSON via bench_common.write_result on rank 0; a table on rank 0 with the ratio of
-rowwise symm dispatch+combine to Megatron alltoall dispatch+combine (issue 11 target: at least
-35% shorter).
+Result JSON via megatron_ext.bench.results.write_result on rank 0; a table on rank 0 with the
+ratio of rowwise symm dispatch+combine to Megatron alltoall dispatch+combine (issue 11 target: at
+least 35% shorter). With --device cuda (the default) and no GPU visible, it exits 2 at once.
 """
 
-# The pieces, one idea a module: tools/ep_distributed.py (ranks, gather, result), ep_paths.py (shape,
-# layers, weights, inputs), ep_phase_timing.py (clock, layer and dispatcher-phase timing),
-# ep_report.py (summary and table). This file: measuring one path on every rank, and main.
+# The pieces, one idea a module, in megatron_ext.bench: ep_distributed (ranks, gather, result),
+# ep_paths (shape, layers, weights, inputs), ep_phase_timing (clock, layer and dispatcher-phase
+# timing), ep_report (summary and table). This file: measuring one path on every rank, and main.
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 # First: sets NVLINK_SAFE_ENV (multicast off) before torch is imported or NCCL initializes.
-# Names marked F401 stay importable from tools.bench_ep (tests/unit/test_bench_ep_cpu.py, other tools).
-from tools.ep_distributed import (NVLINK_SAFE_ENV, Ranks, finish_run, gather_to_all,  # noqa: E402,F401
-                                  init_distributed, median)
+from megatron_ext.bench.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tools.bench_common import RESULTS_DIR, make_step, moe_model_flops, peak_memory  # noqa: E402
-from tools.ep_paths import (EP8_SHAPE, PATHS, TINY_SHAPE, Shape, build_layer, rank_inputs,  # noqa: E402
-                            routing_digest, unavailable_reason)
-from tools.ep_phase_timing import (COMBINE_METHODS, DISPATCH_METHODS, Clock, PhaseTimer,  # noqa: E402,F401
-                                   time_layer, time_phases)
-from tools.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, mxfp8_vs_bf16, print_table, same_routes,  # noqa: E402
-                             summarize)
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.ep_paths import (EP8_SHAPE, PATHS, TINY_SHAPE, Shape, build_layer, rank_inputs,
+                                         routing_digest, unavailable_reason)
+from megatron_ext.bench.ep_phase_timing import Clock, time_layer, time_phases
+from megatron_ext.bench.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, mxfp8_vs_bf16, print_table,
+                                          same_routes, summarize)
+from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.measurement import make_step, peak_memory
+from megatron_ext.bench.repo_paths import RESULTS_DIR
 
 
 # ----------------------------------------------------------------------------- one path on one rank
@@ -150,7 +147,7 @@ def run_path(path: str, shape: Shape, args, ranks: Ranks, x, grad_out, outputs: 
         if reason is not None:
             return {"path": path, "unavailable": f"not available: the graph runner fell back to eager: {reason}"}
         with torch.no_grad():  # routes from an eager forward (a replay runs no Python hooks)
-            result = {"path": path, "routing_digest": routing_digest(layer, lambda: layer(x))}
+            result = {"path": path, "routing_digest": routing_digest(layer, functools.partial(layer, x))}
     else:
         result = {"path": path, "routing_digest": routing_digest(layer, step)}
         first_out = step()
@@ -219,6 +216,8 @@ def shape_from_args(args) -> Shape:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda":
+        require_cuda("tools/bench_ep.py --device cuda")
     shape = shape_from_args(args)
     ranks = init_distributed(args.device)
     if shape.experts % ranks.world:

@@ -14,28 +14,32 @@ checked for bf16 parity (outputs and every gradient), (c) against (b) on the val
 
 Shapes: `reference` = 8192 tokens, 64 experts, top-8 (65536 rows), hidden 2048, ffn 1024;
 `ep8_rank` = one EP8 rank of 128 experts (16 local) with 4 x 4096 tokens top-8, the routes
-that land on this rank's experts (about 16384 rows), same hidden/ffn; `tiny` for CPU smoke
-runs.
+that land on this rank's experts (about 16384 rows), same hidden/ffn; `tiny` for a quick
+check of the tool itself.
 
     python tools/bench_experts.py [--shapes reference,ep8_rank] [--iters 20] [--warmup 5] [--out-dir DIR]
 
-Exits 1 (after writing the JSON) when a parity check fails.
+Exits 1 (after writing the JSON) when a parity check fails, and 2 at once, writing nothing,
+without a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from tools.bench_common import (RESULTS_DIR, cuda_time_ms, host_time_ms, init_single_rank_megatron,  # noqa: E402
-                                median, moe_model_flops, peak_memory, profile_kernels, write_result)
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.kernel_profile import profile_kernels
+from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median, peak_memory
+from megatron_ext.bench.repo_paths import RESULTS_DIR
+from megatron_ext.bench.results import write_result
+from megatron_ext.testing.megatron_moe import moe_config
+from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 PARITY_RTOL = 2e-2  # relative to the reference's max magnitude, bf16
 CAPACITY_FACTOR = 1.25
@@ -106,8 +110,6 @@ def random_weights(shape: Shape, seed: int = 1) -> tuple[torch.Tensor, torch.Ten
 
 
 def expert_config(shape: Shape):
-    from tests.megatron_moe import moe_config
-
     return moe_config(hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts, topk=shape.topk,
                       dtype=torch.bfloat16, use_cpu_initialization=not torch.cuda.is_available(),
                       perform_initialization=False)
@@ -329,6 +331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    require_cuda("tools/bench_experts.py")
     init_single_rank_megatron()
     results, failures = {}, []
     for name in args.shapes.split(","):

@@ -9,20 +9,20 @@ and the memory the graph slots and their pool add. Same weights and inputs for b
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.bench_common import cuda_time_ms, host_time_ms, init_single_rank_megatron, median, write_result  # noqa: E402
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
+from megatron_ext.bench.results import write_result
+from megatron_ext.testing.megatron_moe import load_weights, moe_config
+from megatron_ext.testing.reference import MoEWeights
+from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 
 def layer_for(args, cuda_graphs: bool, weights):
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import load_weights, moe_config
 
     config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
                         dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32")
@@ -65,8 +65,7 @@ def main():
     parser.add_argument("--slots", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
-    from tests.reference import MoEWeights
-
+    require_cuda("tools/bench_graphs.py")
     init_single_rank_megatron()
     weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)
     rows = []

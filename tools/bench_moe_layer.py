@@ -18,16 +18,18 @@ submission ms per layer step, and the measured dense bf16 GEMM rate for the same
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.bench_common import (cuda_time_ms, host_time_ms, init_single_rank_megatron, make_step,  # noqa: E402
-                                median, moe_model_flops, peak_memory, profile_kernels, write_result)
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.kernel_profile import profile_kernels
+from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, make_step, median, peak_memory
+from megatron_ext.bench.results import write_result
+from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config
+from megatron_ext.testing.reference import MoEWeights
+from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph",
          "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph")
@@ -37,7 +39,6 @@ def build(path: str, args, weights):
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
     from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import load_weights, megatron_moe_layer, moe_config
 
     config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
                         dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32")
@@ -132,8 +133,7 @@ def main():
     parser.add_argument("--name", default="moe_layer")
     parser.add_argument("--profile", default="", help="comma-separated paths to profile (kernels, host hotspots)")
     args = parser.parse_args()
-    from tests.reference import MoEWeights
-
+    require_cuda("tools/bench_moe_layer.py")
     init_single_rank_megatron()
     weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(0)

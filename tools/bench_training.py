@@ -28,12 +28,11 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.functional_tests.case_config import FunctionalCase  # noqa: E402
-from tests.functional_tests.compare import values_by_step  # noqa: E402
-from tests.functional_tests.runner import TrainingFailed, train_variant  # noqa: E402
-from tools.bench_common import write_result  # noqa: E402
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.functional.case_config import FunctionalCase
+from megatron_ext.bench.functional.compare import values_by_step
+from megatron_ext.bench.functional.training import TrainingFailed, train_variant
+from megatron_ext.bench.results import write_result
 
 VARIANTS = {
     "megatron": ["--spec", "megatron.training.models.gpt", "default_layer_spec"],
@@ -75,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if options.train_iters <= options.warmup:
         parser.error(f"--train-iters {options.train_iters} must exceed --warmup {options.warmup}")
+    require_cuda("tools/bench_training.py")
 
     case = FunctionalCase.load(options.case)
     output_dir = options.output_dir or tempfile.mkdtemp(prefix="bench_training_")

@@ -45,20 +45,18 @@ CUDA GPUs): only the torch reference transport is timed, and its GB/s are not NV
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Importing megatron_ext.bench.ep_distributed sets NVLINK_SAFE_ENV (multicast off) before anything initializes NCCL.
+from megatron_ext.bench.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed, median
 
-# Importing tools.ep_distributed sets its NVLINK_SAFE_ENV (multicast off) before anything initializes NCCL.
-from tools.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed, median  # noqa: E402
-from tools.ep_phase_timing import Clock  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from tools.bench_common import RESULTS_DIR  # noqa: E402
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.ep_phase_timing import Clock
+from megatron_ext.bench.repo_paths import RESULTS_DIR
 
 NVLINK_GBPS_PER_DIRECTION = 450.0
 TARGET_FRACTION = 0.60  # issue 11: dispatch bandwidth >= 60% of 450 GB/s per GPU at the largest T
@@ -344,6 +342,8 @@ def setup_from_args(args) -> Setup:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda":
+        require_cuda("tools/bench_transport.py --device cuda")
     setup = setup_from_args(args)
     ranks = init_distributed(args.device, with_megatron=False)
     if setup.experts % ranks.world:

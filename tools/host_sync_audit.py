@@ -9,26 +9,26 @@ reports, strongest evidence first:
     python tools/host_sync_audit.py --layers rowwise_symm,megatron_alltoall \\
         --tokens 4096 --experts 64 --topk 8 --hidden 2048 --ffn 1024 [--stacks 3]
 
-On a machine without CUDA it runs the Python audit only, on CPU tensors (gloo, one rank).
+On a machine without CUDA it runs the Python audit only, on CPU tensors (gloo, one rank), and
+leaves out rowwise_symm (the symm transport needs a GPU), printing one line that says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
+from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 LAYERS = ("rowwise_symm", "rowwise_torch", "megatron_alltoall", "megatron_allgather")
+GPU_ONLY_LAYERS = ("rowwise_symm",)
 
 
 def build_layer(kind: str, args, dtype, device):
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import megatron_moe_layer, moe_config
 
     config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk, dtype=dtype,
                         use_cpu_initialization=device.type == "cpu",
@@ -37,6 +37,23 @@ def build_layer(kind: str, args, dtype, device):
         return megatron_moe_layer(config).to(device)
     transport = "symm" if kind == "rowwise_symm" else "torch"
     return moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor))(config=config).to(device)
+
+
+def without_gpu_only_layers(kinds: list[str]) -> list[str]:
+    """The layer kinds a CPU audit can run: rowwise_symm needs a GPU (symmetric memory, Triton) and
+    is left out, with one printed line saying so; an empty list becomes rowwise_torch, the same
+    rowwise layer on the torch transport."""
+    kept = [kind for kind in kinds if kind not in GPU_ONLY_LAYERS]
+    dropped = [kind for kind in kinds if kind in GPU_ONLY_LAYERS]
+    if dropped:
+        if not kept:
+            hint = "; auditing rowwise_torch (the same rowwise layer, torch transport) instead"
+        elif "rowwise_torch" not in kept:
+            hint = "; --layers rowwise_torch audits the same rowwise layer on CPU"
+        else:
+            hint = ""
+        print(f"no CUDA GPU visible: {', '.join(dropped)} left out (the symm transport needs a GPU){hint}", flush=True)
+    return kept or ["rowwise_torch"]
 
 
 def audit(kind: str, args) -> dict:
@@ -90,9 +107,7 @@ def main():
     if unknown:
         parser.error(f"unknown layer kind(s) {unknown}; choose from {LAYERS}")
     if not torch.cuda.is_available():
-        kinds = [k for k in kinds if k != "rowwise_symm"] or ["rowwise_torch"]
-    from tools.bench_common import init_single_rank_megatron
-
+        kinds = without_gpu_only_layers(kinds)
     init_single_rank_megatron()
     for kind in kinds:
         report = audit(kind, args)

@@ -16,15 +16,12 @@ arguments, or 1 with --strict when some stage does not fit --gpu-mem-gib.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ext.parallel.folding import FoldingMesh  # noqa: E402
-from megatron_ext.parallel.rank_groups import DEFAULT_ORDER  # noqa: E402
-from megatron_ext.parallel.memory import (  # noqa: E402
+from megatron_ext.parallel.folding import FoldingMesh
+from megatron_ext.parallel.memory import (
     DTYPE_BYTES, OPTIMIZERS, ModelShape, Precision, estimate, fits, render_memory)
+from megatron_ext.parallel.rank_groups import DEFAULT_ORDER
 
 MODEL_FLAGS = ("layers", "hidden", "moe_ffn", "experts", "topk", "vocab")
 
@@ -61,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, help_text in (("--tp", "tensor parallel"), ("--cp", "context parallel"),
                             ("--pp", "pipeline parallel"), ("--ep", "expert model parallel (EP_MP)")):
         sizes.add_argument(flag, type=positive_int, default=1, help=f"{help_text} size (default 1)")
-    sizes.add_argument("--etp", type=positive_int, help="expert tensor parallel size (default: TP)")
+    sizes.add_argument("--etp", type=positive_int,
+                       help="expert tensor parallel size (default 1: megatron_ext's experts are not sharded over "
+                            "TP; Megatron's own default would be ETP = TP)")
     sizes.add_argument("--vpp", type=positive_int, help="virtual pipeline stages per rank")
     sizes.add_argument("--order", default=DEFAULT_ORDER, help=f"rank order (default {DEFAULT_ORDER})")
     model = parser.add_argument_group("model (all of layers/hidden/moe-ffn/experts/topk/vocab, or none)")
@@ -131,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     world = resolve_world(parser, args)
+    etp = 1 if args.etp is None else args.etp
+    if args.etp is None and args.tp > 1:
+        print(f"mesh.py: expert tensor parallel size 1 (the rowwise dispatcher's experts are not sharded over TP; "
+              f"Megatron alone would take ETP = TP = {args.tp}: pass --etp to choose)")
     try:
-        mesh = FoldingMesh(world, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=args.etp,
+        mesh = FoldingMesh(world, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, etp=etp,
                            order=args.order, vpp=args.vpp)
     except ValueError as error:
         parser.error(f"mesh: {error}")

@@ -25,12 +25,11 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.functional_tests.case_config import FunctionalCase  # noqa: E402
-from tests.functional_tests.compare import values_by_step  # noqa: E402
-from tests.functional_tests.runner import train_variant  # noqa: E402
-from tools.bench_common import write_result  # noqa: E402
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.functional.case_config import FunctionalCase
+from megatron_ext.bench.functional.compare import values_by_step
+from megatron_ext.bench.functional.training import train_variant
+from megatron_ext.bench.results import write_result
 
 METRICS = ["lm loss", "iteration-time", "mem-max-allocated-bytes"]
 
@@ -82,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rel-diff", type=float, default=0.02)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the iteration-time median")
     options = parser.parse_args(argv)
+    require_cuda("tools/mxfp8_loss_curve.py")
 
     case = FunctionalCase.load(options.case)
     output_dir = options.output_dir or tempfile.mkdtemp(prefix="mxfp8_loss_")

@@ -28,8 +28,10 @@ PY=$(find_python312) || {
 echo "setup: using $PY ($("$PY" --version))"
 if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-echo "setup: installing torch==2.13.0 (CPU runs of the CUDA wheel are fine)"
-.venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
+echo "setup: installing torch==2.13.0 and numpy (CPU runs of the CUDA wheel are fine; ~3 GB with its CUDA"
+echo "       libraries, 1-3 minutes on a fresh machine; pip's progress follows)"
+.venv/bin/python -m pip install --progress-bar off torch==2.13.0 numpy 2>&1 \
+    | grep -E '^(Collecting|Downloading|Successfully|Requirement already satisfied: torch)' | sed 's/^/setup:   /' || true
 .venv/bin/python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 echo "setup: installing megatron-ext[test]"
 .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import inspect
 
-MEGATRON_VERSION = "0.19.2"
-
-
-class MegatronInternalsChanged(RuntimeError):
-    """A Megatron DDP internal this hook relies on moved, was renamed or changed its signature."""
+from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
 
 def _params(fn) -> tuple[str, ...]:

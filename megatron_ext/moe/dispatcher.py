@@ -17,7 +17,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, dispatch_row_bytes, dispatch_rows_mxfp8
-from megatron_ext.moe.route_map import RouteMap, route
+from megatron_ext.moe.route_map import RouteMap, check_route_map, route
 from megatron_ext.moe.row_autograd import combine_rows, dispatch_rows
 from megatron_ext.moe.transport import make_transport
 
@@ -82,6 +82,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
                                compiled=self.ext_config.compile_route_map and hidden.is_cuda,
                                gather_counts=getattr(self.transport, "gather_counts", None))
+        if self.ext_config.debug_checks:  # host reads: debug only
+            check_route_map(self.route_map, self.top_idx, self.num_experts, self.capacity, self.ep_size)
         if self.ext_config.mxfp8_dispatch:
             buffer, self.payload, self.lease = dispatch_rows_mxfp8(hidden, self.transport, self.route_map)
         else:

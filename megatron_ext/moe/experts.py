@@ -25,6 +25,7 @@ import torch
 
 from megatron_ext.kernels.swiglu import swiglu_valid_prefix
 from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, payload_fc1
+from megatron_ext.rules import ExpertSettings, expert_problems
 
 
 def counts_to_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
@@ -70,18 +71,9 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
 
     @staticmethod
     def _check_config(config) -> None:
-        if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
-            raise ValueError("DeviceOffsetGroupedMLP implements SwiGLU experts only: set "
-                             "gated_linear_unit=True and activation_func=F.silu (--swiglu)")
-        if config.add_bias_linear:
-            raise ValueError("DeviceOffsetGroupedMLP has no expert biases: set add_bias_linear=False "
-                             "(--disable-bias-linear)")
-        etp = config.expert_tensor_parallel_size or 1
-        if etp != 1:
-            raise ValueError(f"DeviceOffsetGroupedMLP does not shard experts over tensor parallelism "
-                             f"(expert_tensor_parallel_size={etp}); use --expert-tensor-parallel-size 1")
-        if config.moe_apply_probs_on_input and config.moe_router_topk != 1:
-            raise ValueError("moe_apply_probs_on_input needs moe_router_topk=1 (as in Megatron)")
+        problems = expert_problems(ExpertSettings.from_config(config))
+        if problems:
+            raise ValueError("DeviceOffsetGroupedMLP cannot run with:\n  - " + "\n  - ".join(problems))
 
     def _init_weights(self, pg_collection) -> None:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name

@@ -16,33 +16,15 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
-
-# (TransformerConfig field, value that is fine, why it is refused, what to do)
-_INCOMPATIBLE = [
-    ("moe_expert_capacity_factor", None, "Megatron's per-expert capacity drops tokens on the host path",
-     "use --moe-ext-capacity-factor (per-destination-rank capacity) instead"),
-    ("moe_pad_expert_input_to_capacity", False, "pads on Megatron's dispatcher path",
-     "drop --moe-pad-expert-input-to-capacity"),
-    ("moe_shared_expert_overlap", False, "overlaps shared experts inside Megatron's dispatcher",
-     "drop --moe-shared-expert-overlap"),
-    ("overlap_moe_expert_parallel_comm", False, "is built for Megatron's alltoall/flex dispatchers",
-     "drop --overlap-moe-expert-parallel-comm"),
-    ("moe_latent_size", None, "needs Transformer Engine latent projections", "drop --moe-latent-size"),
-]
-
+from megatron_ext.rules import ExpertSettings, expert_problems, rowwise_problems
 
 def check_megatron_config(config) -> None:
-    for field, fine, why, fix in _INCOMPATIBLE:
-        value = getattr(config, field, fine)
-        if value not in (fine, None, False, 0):
-            raise ValueError(f"the rowwise MoE dispatcher cannot run with {field}={value!r}: it {why}; {fix}")
-    etp = config.expert_tensor_parallel_size or 1
-    if etp != 1:
-        raise ValueError(f"the rowwise MoE dispatcher needs expert_tensor_parallel_size=1, got {etp}; "
-                         f"use --expert-tensor-parallel-size 1 (fold experts over EP instead)")
-    if config.num_moe_experts is None or config.moe_router_topk > config.num_moe_experts:
-        raise ValueError(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts="
-                         f"{config.num_moe_experts}; choose top-k <= number of experts")
+    """Refuse TransformerConfig settings the rowwise layer cannot run with (megatron_ext.rules)."""
+    problems = rowwise_problems(config) + expert_problems(ExpertSettings.from_config(config))
+    if config.num_moe_experts is None:
+        problems.append("num_moe_experts is None: the rowwise MoE layer needs a MoE config (--num-experts)")
+    if problems:
+        raise ValueError("the rowwise MoE dispatcher cannot run with:\n  - " + "\n  - ".join(problems))
 
 
 class RowwiseMoELayer(MoELayer):
@@ -58,7 +40,7 @@ class RowwiseMoELayer(MoELayer):
 
             check_hidden(config.hidden_size)
         ep_size = pg_collection.ep.size()
-        if config.num_moe_experts % ep_size:
+        if config.num_moe_experts % ep_size:  # the group may differ from config.expert_model_parallel_size
             raise ValueError(f"num_moe_experts={config.num_moe_experts} is not divisible by the expert-parallel "
                              f"size {ep_size}; pick a divisible --expert-model-parallel-size")
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,

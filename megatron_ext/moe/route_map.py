@@ -245,3 +245,31 @@ def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None, co
     plan_and_build = _fused_plan_and_build if compiled else _plan_and_build
     *maps, requested, kept, dropped, fill = plan_and_build(top_idx, requested_all, ep_rank, capacity)
     return RouteMap(*maps, RouteMetrics(requested, kept, dropped, fill))
+
+
+def check_route_map(route_map: RouteMap, top_idx: torch.Tensor, num_experts: int, capacity: int, ep_size: int) -> None:
+    """Validate one rank's route map on the host (MoEExtConfig.debug_checks: synchronizes).
+
+    Raises RuntimeError naming the first broken invariant: destinations inside [0, M) x [0, C),
+    dropped exactly when the row is -1, each kept route on the rank owning its expert, distinct
+    rows for distinct kept routes, and receive offsets that are the cumulative counts within C.
+    """
+    rank, row = route_map.dest_rank.long().cpu(), route_map.dest_row.long().cpu()
+    kept = row >= 0
+    problems = []
+    if bool(((rank < 0) != ~kept).any()):
+        problems.append("dest_rank is -1 exactly where dest_row is not")
+    if bool(((rank >= ep_size) | (row >= capacity)).any()):
+        problems.append(f"a destination outside {ep_size} ranks x {capacity} rows")
+    owner = top_idx.long().cpu() // (num_experts // ep_size)
+    if bool((kept & (rank != owner)).any()):
+        problems.append("a kept route goes to a rank that does not own its expert")
+    flat = (rank * capacity + row)[kept]
+    if flat.numel() != flat.unique().numel():
+        problems.append("two kept routes share a destination row")
+    counts, offsets = route_map.recv_counts.long().cpu(), route_map.recv_offsets.long().cpu()
+    if not torch.equal(torch.cumsum(counts, 0), offsets) or bool((counts < 0).any()) or int(offsets[-1]) > capacity:
+        problems.append(f"receive offsets {offsets.tolist()} are not the cumulative counts {counts.tolist()} within "
+                        f"capacity {capacity}")
+    if problems:
+        raise RuntimeError("megatron_ext debug_checks: broken route map: " + "; ".join(problems))

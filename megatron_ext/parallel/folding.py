@@ -41,8 +41,6 @@ from megatron_ext.parallel.render import text_table  # noqa: F401  (re-exported)
 if TYPE_CHECKING:
     from megatron_ext.parallel.megatron_groups import FoldingGroups
 
-MEGATRON_VERSION = "0.19.2"
-
 _AXIS_LABELS = {
     "attention": {"tp": "TP", "cp": "CP", "ep": "EP", "dp": "DP", "pp": "PP"},
     "expert": {"tp": "ETP", "cp": "CP", "ep": "EP", "dp": "EDP", "pp": "PP"},

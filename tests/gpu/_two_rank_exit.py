@@ -19,7 +19,7 @@ def main() -> None:
     torch.distributed.init_process_group("nccl")
     from megatron_ext.cpu_ranks import ParallelSizes, init_megatron_parallel
     from tests.gpu.ep_layers import EXPERTS_PER_RANK, SHAPE, ep_layer, ep_step
-    from tests.reference import MoEWeights
+    from megatron_ext.testing.reference import MoEWeights
 
     init_megatron_parallel(ParallelSizes(ep=world))
     weights = MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)

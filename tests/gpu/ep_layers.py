@@ -15,7 +15,7 @@ def ep_layer(transport: str, world: int, weights, **ext):
     """RowwiseMoELayer (bf16, on this rank's GPU) with EP = world and `weights` loaded."""
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import load_weights, moe_config
+    from megatron_ext.testing.megatron_moe import load_weights, moe_config
 
     config = moe_config(**SHAPE, experts=EXPERTS_PER_RANK * world, ep=world, dtype=torch.bfloat16,
                         use_cpu_initialization=False, moe_router_dtype="fp32")

@@ -153,7 +153,7 @@ def run_spawned(world: int) -> list:
 
 
 def test_folding_ddp_single_gpu_matches_autograd():
-    from tools.bench_common import init_single_rank_megatron
+    from megatron_ext.testing.single_rank import init_single_rank_megatron
 
     init_single_rank_megatron()
     check_ddp(0, 1)

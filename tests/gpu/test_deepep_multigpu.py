@@ -35,7 +35,7 @@ NAMES = ("output", "input grad", "router grad", "fc1 grad", "fc2 grad")
 
 
 def _parity(rank, world, weights, x, g, ext):
-    from tests.reference import assert_close
+    from megatron_ext.testing.reference import assert_close
 
     ref = _step(_layer("torch", world, weights, **ext), x, g)
     symm = _step(_layer("symm", world, weights, **ext), x, g)
@@ -85,7 +85,7 @@ def _sync_free(rank, world, weights, inputs):
 
 def _time_transfers(world, weights, x, g, iters=20):
     """Median ms of each transport's four transfers on this rank (layer's own route map)."""
-    from tools.bench_common import cuda_time_ms, median
+    from megatron_ext.bench.measurement import cuda_time_ms, median
 
     timings = {}
     for transport in ("torch", "symm", "deepep"):
@@ -114,7 +114,7 @@ def _rank_main(rank, world, port):
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from megatron_ext.cpu_ranks import ParallelSizes, init_megatron_parallel
-    from tests.reference import MoEWeights
+    from megatron_ext.testing.reference import MoEWeights
 
     init_megatron_parallel(ParallelSizes(ep=world))
     weights = MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
@@ -140,7 +140,7 @@ def _rank_main(rank, world, port):
             print(f"  {transport:7s} " + "  ".join(f"{phase} {ms:.3f}" for phase, ms in row.items()))
         results_dir = os.environ.get("MEGATRON_EXT_BENCH_RESULTS")
         if results_dir:
-            from tools.bench_common import write_result
+            from megatron_ext.bench.results import write_result
 
             write_result(f"deepep_transport_ep{world}", dict(tokens=TOKENS, **SHAPE, per_rank=gathered),
                          results_dir)

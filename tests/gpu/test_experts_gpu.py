@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_ext.kernels.swiglu import _backward_torch, _forward_torch, swiglu_valid_prefix  # noqa: E402
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
-from tests.megatron_moe import moe_config  # noqa: E402
-from tests.reference import assert_close  # noqa: E402
-from tools.bench_common import init_single_rank_megatron  # noqa: E402
+from megatron_ext.testing.megatron_moe import moe_config  # noqa: E402
+from megatron_ext.testing.reference import assert_close  # noqa: E402
+from megatron_ext.testing.single_rank import init_single_rank_megatron  # noqa: E402
 
 try:
     import pytest

@@ -6,8 +6,8 @@ import torch
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.specs import moe_builder
-from tests.megatron_moe import load_weights, moe_config
-from tests.reference import MoEWeights
+from megatron_ext.testing.megatron_moe import load_weights, moe_config
+from megatron_ext.testing.reference import MoEWeights
 
 pytestmark = pytest.mark.gpu
 SHAPE = dict(hidden=1024, ffn=512, experts=16, topk=4)
@@ -15,7 +15,7 @@ SHAPE = dict(hidden=1024, ffn=512, experts=16, topk=4)
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank():
-    from tools.bench_common import init_single_rank_megatron
+    from megatron_ext.testing.single_rank import init_single_rank_megatron
 
     init_single_rank_megatron()
 

@@ -16,8 +16,8 @@ from tests.unit.mxfp8_spec_reference import make_spec_inputs, quantize_rows_refe
 pytestmark = pytest.mark.gpu
 
 
-def rows(n: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(0)
+def rows(n: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(n, hidden, device="cuda", generator=g)
     x *= torch.exp2(torch.randint(-60, 60, (n, 1), device="cuda", generator=g).float())
     x[:, ::97] *= 300.0  # outliers: saturating blocks
@@ -70,23 +70,30 @@ def test_dequantize_every_code_and_scale_cuda_matches_cpu():
         assert same_bits(dequantize_rows_triton(q_cuda, dtype).cpu(), want)
 
 
-def test_report_kernel_times(capsys):
-    """Not a pass/fail bound: prints device microseconds (CUDA-graph replay, so Python launch
-    overhead is excluded) and effective bandwidth for the report."""
-    import triton.testing
-
-    from megatron_ext.kernels.mxfp8_quant import dequantize_rows_triton, quantize_rows_triton
+def test_kernels_replayed_from_a_cuda_graph_match_torch():
+    """The layer replays these kernels from CUDA graphs (MoEExtConfig.cuda_graphs): captured on one
+    input and replayed after the input changed, they give the torch reference's bytes for the new
+    input (nothing taken from the data at capture time)."""
+    from megatron_ext.kernels.mxfp8_quant import (
+        dequantize_rows_triton,
+        quantize_rows_packed_triton,
+        quantize_rows_triton,
+    )
 
     x = rows(8192, 2048, torch.bfloat16)
-    q = quantize_rows_triton(x)
-    moved = {"quantize": x.numel() * (2 + 1 + 1 / 32), "dequantize": x.numel() * (1 + 1 / 32 + 2)}
-    for name, fn in [
-        ("quantize", lambda: quantize_rows_triton(x)),
-        ("quantize torch", lambda: mxfp8.quantize_rows(x)),
-        ("dequantize", lambda: dequantize_rows_triton(q)),
-        ("dequantize torch", lambda: mxfp8.dequantize_rows(q)),
-    ]:
-        us = triton.testing.do_bench_cudagraph(fn, rep=50) * 1000
-        gbps = moved[name.split()[0]] / us / 1e3
-        with capsys.disabled():
-            print(f"\nmxfp8 {name} [8192, 2048] bf16: {us:.1f} us, {gbps:.0f} GB/s effective")
+    dequantize_rows_triton(quantize_rows_triton(x))  # compile outside the capture
+    quantize_rows_packed_triton(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = quantize_rows_triton(x)
+        packed = quantize_rows_packed_triton(x)
+        dequantized = dequantize_rows_triton(q)
+    new = rows(8192, 2048, torch.bfloat16, seed=1)
+    assert not same_bits(new, x)
+    x.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = mxfp8.quantize_rows(new)
+    assert same_bits(q.scales, want.scales) and same_bits(q.values, want.values)
+    assert same_bits(packed, mxfp8.pack_rows(want))
+    assert same_bits(dequantized, mxfp8.dequantize_rows(want, torch.bfloat16))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_ext.kernels.route_dot import route_dot
-from tests.reference import assert_close
+from megatron_ext.testing.reference import assert_close
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ import torch
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.host_sync import capture_replay, profiled_sync_calls
 from megatron_ext.specs import moe_builder
-from tests.megatron_moe import load_weights, megatron_moe_layer, moe_config
-from tests.reference import MoEWeights, assert_close
+from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config
+from megatron_ext.testing.reference import MoEWeights, assert_close
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ TOKENS = 2048
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank():
-    from tools.bench_common import init_single_rank_megatron
+    from megatron_ext.testing.single_rank import init_single_rank_megatron
 
     init_single_rank_megatron()
 

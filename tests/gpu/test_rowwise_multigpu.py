@@ -27,7 +27,7 @@ def _init(rank, world, port):
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from megatron_ext.cpu_ranks import ParallelSizes, init_megatron_parallel
-    from tests.reference import MoEWeights
+    from megatron_ext.testing.reference import MoEWeights
 
     init_megatron_parallel(ParallelSizes(ep=world))
     return MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
@@ -52,7 +52,7 @@ def _spawn(fn, world, *args):
 
 
 def _rank_main(rank, world, port):
-    from tests.reference import assert_close
+    from megatron_ext.testing.reference import assert_close
 
     weights = _init(rank, world, port)
     layer = lambda transport, **ext: ep_layer(transport, world, weights, dropless=True, **ext)  # noqa: E731
@@ -121,7 +121,7 @@ def _run_schedule(layer, batches, order):
 
 
 def _stress_rank(rank, world, port):
-    from tests.reference import assert_close
+    from megatron_ext.testing.reference import assert_close
 
     weights = _init(rank, world, port)
     dropped = 0

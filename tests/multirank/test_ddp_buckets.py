@@ -20,8 +20,8 @@ from megatron_ext.ddp.buckets import DENSE, EXPERT, MultiGroupGradBuckets, group
 from megatron_ext.ddp.replica_check import ReplicaMismatch, check_replicas, maybe_check_replicas
 from megatron_ext.parallel.folding import FoldingMesh
 from megatron_ext.specs import moe_builder
-from tests.megatron_moe import load_weights, local_expert_range, moe_config, rank_tokens
-from tests.reference import MoEWeights, assert_close, dense_moe
+from megatron_ext.testing.megatron_moe import load_weights, local_expert_range, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights, assert_close, dense_moe
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 16, 8, 4, 2, 6
 RTOL = 1e-6
@@ -270,11 +270,42 @@ def test_megatron_hook_controls_the_expert_reduction_group():
         assert wrong > 1e-3 and right < 1e-6, (wrong, right)
 
 
-def test_replica_check_interval_is_a_setting():
-    from megatron_ext.arguments import FLAGS
-    from megatron_ext.config import MoEExtConfig
+def _steps_checked_rank(rank, world, argvs):
+    """Replicas that disagree from the start (weight = rank); per command line, the interval the
+    flag sets and the steps of 0..11 at which maybe_check_replicas raises."""
+    import argparse
 
-    assert MoEExtConfig(replica_check_interval=5).replica_check_interval == 5
-    assert any(flag.flag == "--moe-ext-replica-check-interval" for flag in FLAGS)
-    with pytest.raises(ValueError, match="replica_check_interval"):
-        MoEExtConfig(replica_check_interval=-1)
+    from megatron_ext.arguments import add_moe_ext_args, ext_config_from_args
+
+    parser = add_moe_ext_args(argparse.ArgumentParser())
+    model = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(float(rank))
+    groups = {DENSE: dist.group.WORLD, EXPERT: None}
+    found = []
+    for argv in argvs:
+        interval = ext_config_from_args(parser.parse_args(argv)).replica_check_interval
+        caught = []
+        for step in range(12):
+            try:
+                maybe_check_replicas(step, interval, model, groups)
+            except ReplicaMismatch as error:
+                assert "'weight'" in str(error), error
+                caught.append(step)
+        found.append((interval, caught))
+    return found
+
+
+def test_replica_check_interval_flag_sets_the_steps_that_are_checked():
+    """--moe-ext-replica-check-interval 5 catches a mismatch at steps 0, 5 and 10 of 0..11; the
+    default (0) never checks; a negative interval is refused, naming the flag."""
+    import argparse
+
+    from megatron_ext.arguments import MoEExtArgumentError, add_moe_ext_args, ext_config_from_args
+
+    argvs = [["--moe-ext-replica-check-interval", "5"], ["--moe-ext-replica-check-interval", "1"], []]
+    expected = [(5, [0, 5, 10]), (1, list(range(12))), (0, [])]
+    assert run_on_ranks(_steps_checked_rank, 2, argvs) == [expected, expected]
+    args = add_moe_ext_args(argparse.ArgumentParser()).parse_args(["--moe-ext-replica-check-interval", "-1"])
+    with pytest.raises(MoEExtArgumentError, match="--moe-ext-replica-check-interval"):
+        ext_config_from_args(args)

@@ -17,8 +17,8 @@ import torch
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.specs import moe_builder
-from tests.megatron_moe import expert_grads, load_weights, moe_config, rank_tokens
-from tests.reference import MoEWeights, assert_close
+from megatron_ext.testing.megatron_moe import expert_grads, load_weights, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights, assert_close
 from tests.unit import fake_deep_ep
 
 NAMES = ("output", "input grad", "router grad", "fc1 grad", "fc2 grad")

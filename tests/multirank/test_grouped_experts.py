@@ -10,8 +10,8 @@ import torch
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from tests.layer_check import Case, run_and_compare
-from tests.megatron_moe import megatron_moe_layer, moe_config
-from tests.reference import MoEWeights, assert_close, swiglu_expert
+from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
+from megatron_ext.testing.reference import MoEWeights, assert_close, swiglu_expert
 
 
 def _swapped_experts_rank(rank, world, dispatcher):

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
 from tests.layer_check import Case, run_and_compare
-from tests.megatron_moe import megatron_moe_layer
+from megatron_ext.testing.megatron_moe import megatron_moe_layer
 
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4)]  # (world size, EP)
 

@@ -8,8 +8,8 @@ from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.moe import mxfp8
 from megatron_ext.moe.mxfp8_dispatch import dispatch_row_bytes
 from megatron_ext.specs import moe_builder
-from tests.megatron_moe import load_weights, moe_config, rank_tokens
-from tests.reference import MoEWeights, assert_close
+from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights, assert_close
 
 # Error the format implies: each dispatched element carries a relative error of at most 2^-4
 # (E4M3, 3 mantissa bits, round-to-nearest), up to 2^-3 for a block maximum that saturates at 448.

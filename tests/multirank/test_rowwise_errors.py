@@ -6,7 +6,7 @@ import torch
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.specs import moe_builder
-from tests.megatron_moe import moe_config
+from megatron_ext.testing.megatron_moe import moe_config
 
 
 def build(config, **ext):
@@ -18,11 +18,12 @@ def _errors_rank(rank, world):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron_ext.moe.layer import RowwiseMoELayer
 
-    with pytest.raises(ValueError, match="num_moe_experts=3 is not divisible by the expert-parallel size 2"):
+    with pytest.raises(ValueError, match=r"num_moe_experts=3 \(--num-experts 3\) is not divisible by the expert-parallel size \(--expert-model-parallel-size 2\)"):
         build(moe_config(experts=3, topk=2, ep=2))
-    with pytest.raises(ValueError, match="moe_router_topk=5 exceeds num_moe_experts=4"):
+    with pytest.raises(ValueError, match=r"moe_router_topk=5 \(--moe-router-topk 5\) exceeds num_moe_experts=4"):
         build(moe_config(experts=4, topk=5, ep=2))
-    with pytest.raises(ValueError, match="moe-ext-capacity-factor"):
+    with pytest.raises(ValueError, match=r"moe_expert_capacity_factor=1.0 \(--moe-expert-capacity-factor 1.0\): "
+                       r"Megatron's per-expert capacity drops tokens on its host path; use --moe-ext-capacity-factor"):
         build(moe_config(experts=4, ep=2, moe_expert_capacity_factor=1.0))
     with pytest.raises(ValueError, match="expert-tensor-parallel-size 1"):
         build(moe_config(experts=4, ep=2, etp=2))

@@ -9,8 +9,8 @@ from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.specs import moe_builder
 from tests.layer_check import Case, run_and_compare
-from tests.megatron_moe import load_weights, megatron_moe_layer, moe_config, rank_tokens
-from tests.reference import MoEWeights, assert_close
+from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights, assert_close
 
 
 def build_rowwise(config, **ext):

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.specs import moe_builder
-from tests.megatron_moe import expert_grads, load_weights, local_expert_range, moe_config
-from tests.reference import MoEWeights, assert_close, dense_moe, route_topk
+from megatron_ext.testing.megatron_moe import expert_grads, load_weights, local_expert_range, moe_config
+from megatron_ext.testing.reference import MoEWeights, assert_close, dense_moe, route_topk
 
 STEPS, TOKENS, HIDDEN, FFN, EXPERTS, TOPK = 20, 16, 32, 16, 4, 2
 

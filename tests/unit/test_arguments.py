@@ -11,7 +11,7 @@ from megatron_ext.arguments import (FLAGS, MoEExtArgumentError, add_moe_ext_args
 from megatron_ext.config import MoEExtConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear"]
+MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local", "--no-persist-layer-norm"]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,11 @@ def test_defaults_round_trip(megatron_parser):
 
 
 @pytest.mark.parametrize("config", [
-    MoEExtConfig(dispatcher="megatron", transport="torch", capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096,
+    MoEExtConfig(dispatcher="megatron", capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096,
                  ddp_buckets=True, metrics_interval=10, debug_poison=True, debug_checks=True, lease_slots=3,
                  compile_route_map=False),
     MoEExtConfig(transport="symm", mxfp8_dispatch=True, cuda_graphs=True, capacity_factor=1.0),
+    MoEExtConfig(transport="torch", replica_check_interval=5),
     MoEExtConfig(transport="deepep", max_tokens_per_rank=1),
 ])
 def test_non_default_configs_round_trip_through_megatrons_parser(megatron_parser, config):
@@ -101,7 +102,10 @@ def _parse(parser, argv):
     (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-transport", "symm"],
      ["--moe-ext-transport symm", "--moe-ext-dispatcher"]),
     (MOE_MODEL + ["--moe-router-topk", "9"], ["--moe-router-topk 9", "--num-experts 8"]),
-    (MOE_MODEL + ["--transformer-impl", "local"], ["--transformer-impl local", "--no-persist-layer-norm"]),
+    (["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local"],
+     ["--transformer-impl local", "--no-persist-layer-norm"]),
+    (["--num-experts", "8", "--swiglu", "--disable-bias-linear"],  # Megatron's default impl, no TE here
+     ["--transformer-impl transformer_engine", "--transformer-impl local"]),
 ])
 def test_wrong_combinations_name_both_flags(megatron_parser, argv, flags):
     with pytest.raises(MoEExtArgumentError) as error:

@@ -1,11 +1,18 @@
-"""tools/bench_common.py: the pure parts (FLOP formula, result JSON, median, CPU timing fallback,
-profile bookkeeping)."""
+"""megatron_ext.bench's shared measurement parts (FLOP formula, result JSON, median, CPU timing
+fallback, profile bookkeeping) and the paths it finds from its own file."""
 
 import json
+import pathlib
 
 import torch
 
-from tools.bench_common import host_time_ms, median, moe_model_flops, profile_kernels, write_result
+from megatron_ext.bench import repo_paths
+from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.kernel_profile import profile_kernels
+from megatron_ext.bench.measurement import host_time_ms, median
+from megatron_ext.bench.results import write_result
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_moe_model_flops_reference_shape_by_hand():
@@ -64,3 +71,12 @@ def test_profile_counts_syncs_inside_each_iteration_only():
     names = [op["name"] for op in result["top_host_ops"]]
     assert "aten::sum" in names and "bench_iteration" not in names
     assert result["top_kernels"] == [] and result["kernel_ms_per_iter"] == 0.0
+
+
+def test_repo_paths_resolve_to_this_checkout():
+    """The library computes the checkout's folders from its own file; after moving into the
+    package they must still name this repository's folders."""
+    assert repo_paths.REPO_ROOT == REPO
+    assert repo_paths.RESULTS_DIR == REPO / "bench" / "results"
+    assert (repo_paths.FUNCTIONAL_CASES_DIR / "gpt" / "tiny_moe_rowwise_cpu_ep2" / "model_config.yaml").is_file()
+    assert (repo_paths.REPO_ROOT / "examples" / "pretrain_gpt.py").is_file()

@@ -187,7 +187,7 @@ def _toy_step(dispatcher, clock, x, router):
 
 
 def test_phase_timer_charges_only_the_dispatcher_methods():
-    from tools.bench_ep import COMBINE_METHODS, DISPATCH_METHODS, PhaseTimer
+    from megatron_ext.bench.ep_phase_timing import COMBINE_METHODS, DISPATCH_METHODS, PhaseTimer
 
     clock, dispatcher = CountingClock(), ToyDispatcher()
     x = torch.randn(16, 8, requires_grad=True)
@@ -223,7 +223,7 @@ def test_phase_timer_charges_only_the_dispatcher_methods():
     ([], 0),
 ])
 def test_backward_stretches(marks, expected):
-    from tools.bench_ep import PhaseTimer
+    from megatron_ext.bench.ep_phase_timing import PhaseTimer
 
     timer = PhaseTimer.__new__(PhaseTimer)
     timer.clock = CountingClock()
@@ -231,7 +231,7 @@ def test_backward_stretches(marks, expected):
 
 
 def test_summary_ratio_and_route_check():
-    from tools.bench_ep import dispatch_combine_ratios, same_routes, summarize
+    from megatron_ext.bench.ep_report import dispatch_combine_ratios, same_routes, summarize
 
     def rank(path, layer, phases, digest):
         return {"path": path, "routing_digest": digest, "layer_ms": layer, "memory": None,
@@ -255,7 +255,7 @@ def test_summary_ratio_and_route_check():
 
 
 def test_mxfp8_vs_bf16_ratios():
-    from tools.ep_report import mxfp8_vs_bf16
+    from megatron_ext.bench.ep_report import mxfp8_vs_bf16
 
     bf16 = {"path": "rowwise_symm", "dispatch_buffer_bytes": 1000, "phases_ms": {"dispatch_fwd": 2.0}}
     mx = {"path": "rowwise_symm_mxfp8", "dispatch_buffer_bytes": 516, "phases_ms": {"dispatch_fwd": 1.5}}

@@ -25,3 +25,34 @@ def test_defaults_are_valid():
     config = MoEExtConfig()
     assert (config.dispatcher, config.transport, config.capacity_factor) == ("rowwise", "auto", 1.25)
     assert "capacity_factor" in MoEExtConfig.field_names()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(dispatcher="megatron", transport="symm"), ValueError, "only applies to dispatcher='rowwise'"),
+    (dict(capacity_factor=float("inf")), ValueError, "finite"),
+    (dict(capacity_factor=float("nan")), ValueError, "finite"),
+    (dict(capacity_factor="1.25"), TypeError, "capacity_factor must be a number"),
+    (dict(capacity_factor=True), TypeError, "capacity_factor must be a number"),
+    (dict(lease_slots=1.5), TypeError, "lease_slots must be an integer"),
+    (dict(max_tokens_per_rank=2.5), TypeError, "max_tokens_per_rank must be an integer"),
+    (dict(dropless="no"), TypeError, "dropless must be True or False"),
+    (dict(metrics_interval=True), TypeError, "metrics_interval must be an integer"),
+])
+def test_python_api_refuses_what_the_launcher_refuses(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MoEExtConfig(**kwargs)
+
+
+def test_integer_capacity_factor_is_a_number():
+    assert MoEExtConfig(capacity_factor=2).capacity_factor == 2
+
+
+def test_every_config_field_has_a_consumer():
+    """Each MoEExtConfig field is read somewhere outside config.py/arguments.py (no dead settings)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_ext"
+    sources = "\n".join(p.read_text() for p in root.rglob("*.py") if p.name not in ("config.py", "arguments.py"))
+    unread = [name for name in MoEExtConfig.field_names() if not re.search(rf"\.{name}\b", sources)]
+    assert not unread, f"MoEExtConfig fields nothing reads: {unread}"

@@ -1,6 +1,7 @@
-"""Functional-test machinery without training: comparison with Megatron's tolerances (including
-cases that MUST fail), log parsing, case files, and the runner's no-golden-values answer.
-Every case's and example script's flags are parsed by Megatron's parser with the hook installed."""
+"""Functional-test machinery without training (megatron_ext.bench.functional and the runner CLI):
+comparison with Megatron's tolerances (including cases that MUST fail; time and memory fail only
+on regressions), log parsing, case files, and the runner's no-golden-values answer. Every case's
+and example script's flags are parsed by Megatron's parser with the hook installed."""
 
 import math
 import os
@@ -11,7 +12,8 @@ import sys
 
 import pytest
 
-from tests.functional_tests import case_config, compare, log_metrics, runner
+from megatron_ext.bench.functional import case_config, case_run, compare, log_metrics, training
+from tests.functional_tests import runner
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,11 +95,58 @@ def test_iteration_time_compares_the_steady_window_median():
     assert not failed(ok) and "median" in ok[0].message
     assert failed(compare.compare_metrics({"iteration-time": golden(golden_time)},
                                           {"iteration-time": golden(actual_slow)}, **kwargs))
-    two_phase = {s: (0.2 if s <= 25 else 0.1) for s in range(1, 51)}
+    slow_first_half = {"iteration-time": golden({s: (0.2 if s <= 25 else 0.1) for s in range(1, 51)})}
     flat = {"iteration-time": golden({s: 0.1 for s in range(1, 51)})}
-    assert not failed(compare.compare_metrics({"iteration-time": golden(two_phase)}, flat, **kwargs))
-    window = compare.compare_metrics({"iteration-time": golden(two_phase)}, flat, steady_window=(1, 25), **kwargs)
+    assert not failed(compare.compare_metrics(flat, slow_first_half, **kwargs))
+    window = compare.compare_metrics(flat, slow_first_half, steady_window=(1, 25), **kwargs)
     assert failed(window) and "steps 1..25" in window[0].message, "the configured window is the one compared"
+
+
+def _steady(value, steps=50):
+    return golden({s: value for s in range(1, steps + 1)})
+
+
+def test_a_faster_run_passes_and_says_by_how_much():
+    # The single-GPU case on another H200: bitwise-identical losses, 0.3438 s per step against
+    # the golden 0.444 s (the case's rtol 0.15); a two-sided check failed it.
+    results = compare.compare_metrics({"iteration-time": _steady(0.444)}, {"iteration-time": _steady(0.3438)},
+                                      ["iteration-time"], allow_nondeterministic=False,
+                                      rtol_overrides={"iteration-time": 0.15})
+    assert [r.passed for r in results] == [True]
+    assert "faster by 22.6% (an improvement)" in results[0].message, results[0].message
+    assert "fails only when slower" in results[0].test
+
+
+def test_a_slower_run_fails_only_beyond_the_tolerance():
+    kwargs = dict(metrics=["iteration-time"], allow_nondeterministic=False)
+    beyond = compare.compare_metrics({"iteration-time": _steady(0.100)}, {"iteration-time": _steady(0.106)}, **kwargs)
+    assert not beyond[0].passed and "slower by 6.0% (a regression beyond the tolerance)" in beyond[0].message
+    within = compare.compare_metrics({"iteration-time": _steady(0.100)}, {"iteration-time": _steady(0.104)}, **kwargs)
+    assert within[0].passed and "slower by 4.0%" in within[0].message and "regression" not in within[0].message
+    same = compare.compare_metrics({"iteration-time": _steady(0.100)}, {"iteration-time": _steady(0.100)}, **kwargs)
+    assert same[0].passed and same[0].message.endswith("(rtol 0.05)"), same[0].message
+
+
+@pytest.mark.parametrize("metric", ["mem-allocated-bytes", "mem-max-allocated-bytes"])
+def test_smaller_memory_passes_and_larger_memory_fails(metric):
+    gib = 2.0 ** 30
+    kwargs = dict(metrics=[metric], allow_nondeterministic=False)
+    smaller = compare.compare_metrics({metric: _steady(4 * gib)}, {metric: _steady(3 * gib)}, **kwargs)
+    assert smaller[0].passed and "smaller by 25.0% (an improvement)" in smaller[0].message, smaller[0].message
+    larger = compare.compare_metrics({metric: _steady(4 * gib)}, {metric: _steady(4.4 * gib)}, **kwargs)
+    assert not larger[0].passed and "larger by 10.0% (a regression beyond the tolerance)" in larger[0].message
+
+
+def test_loss_checks_stay_two_sided():
+    """A loss far below the golden one is as wrong as one far above it (unlike time and memory)."""
+    lower = {"lm loss": golden({s: v * 0.9 for s, v in losses().items()})}
+    for check in (compare.compare_metrics({"lm loss": golden(losses())}, lower, ["lm loss"], True),
+                  compare.compare_metrics(lower, {"lm loss": golden(losses())}, ["lm loss"], True)):
+        assert [r.passed for r in check] == [True, False], check
+    zeros = {s: 100.0 for s in range(1, 11)}
+    fewer = {s: 75.0 for s in range(1, 11)}
+    assert failed(compare.compare_metrics({"num-zeros": golden(zeros)}, {"num-zeros": golden(fewer)},
+                                          ["num-zeros"], allow_nondeterministic=True))
 
 
 def test_missing_metric_or_step_fails_never_skips():
@@ -162,7 +211,7 @@ def test_megatron_training_log_still_skips_the_first_reset():
     source = inspect.getsource(training.training_log)
     assert "should_reset = not is_first_iteration" in source, (
         "megatron.training.training_log changed how it resets its loss accumulator after the first "
-        "iteration; update tests/functional_tests/compare.py:compare_resumed")
+        "iteration; update megatron_ext/bench/functional/compare.py:compare_resumed")
 
 
 # ---- logs -----------------------------------------------------------------------------------------
@@ -269,26 +318,26 @@ def test_runner_says_no_golden_values_yet_instead_of_passing(monkeypatch, tmp_pa
             f"SCRIPT: examples/pretrain_gpt.py\nTEST_TYPE: {test_type}\n{extra}NEEDS_GPUS: 1\nMETRICS:\n  - lm loss\n"
             f"MODEL_ARGS:\n  --log-interval: 1\n")
     monkeypatch.setattr(case_config, "TEST_CASES_DIR", str(cases))
-    monkeypatch.setattr(runner, "visible_gpus", lambda: 8)
-    monkeypatch.setattr(runner, "run_training", lambda *a, **k: pytest.fail("no training may start"))
+    monkeypatch.setattr(case_run, "visible_gpus", lambda: 8)
+    monkeypatch.setattr(case_run, "run_training", lambda *a, **k: pytest.fail("no training may start"))
     for name in ("gpt/regular", "gpt/resume"):
-        outcome = runner.run_case(name, str(tmp_path / "out"))
-        assert outcome.code == runner.NO_GOLDEN, outcome.summary
+        outcome = case_run.run_case(name, str(tmp_path / "out"))
+        assert outcome.code == case_run.NO_GOLDEN, outcome.summary
         assert "NO GOLDEN VALUES YET" in outcome.summary and f"--case {name} --generate" in outcome.summary
         assert not (tmp_path / "out").exists(), "no output may be written without golden values"
     # with run 1's golden values present, a ckpt-resume case still needs the second run's
     (cases / "gpt" / "resume" / "golden_values_dev_h200.json").write_text("{}")
-    outcome = runner.run_case("gpt/resume", str(tmp_path / "out"))
-    assert outcome.code == runner.NO_GOLDEN and "golden_values_dev_h200_2nd.json" in outcome.summary
+    outcome = case_run.run_case("gpt/resume", str(tmp_path / "out"))
+    assert outcome.code == case_run.NO_GOLDEN and "golden_values_dev_h200_2nd.json" in outcome.summary
 
 def test_gpu_cases_skip_without_gpus(monkeypatch):
-    monkeypatch.setattr(runner, "visible_gpus", lambda: 0)
-    assert runner.run_case("gpt/moe_rowwise_1gpu").code == runner.SKIPPED
+    monkeypatch.setattr(case_run, "visible_gpus", lambda: 0)
+    assert case_run.run_case("gpt/moe_rowwise_1gpu").code == case_run.SKIPPED
 
 
 def test_training_command_uses_the_launcher_for_torchrun_cases():
     case = case_config.FunctionalCase.load("gpt/moe_rowwise_ep8_folding")
-    command = runner.training_command(case, [], {"CHECKPOINT_SAVE_PATH": "/ck"})
+    command = training.training_command(case, [], {"CHECKPOINT_SAVE_PATH": "/ck"})
     assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", "-m"]
     assert command[7:9] == ["megatron_ext.launch", os.path.join(REPO_ROOT, "examples/pretrain_gpt.py")]
 
@@ -345,6 +394,14 @@ def test_runner_cli_lists_cases():
     assert result.returncode == 0 and set(result.stdout.split()) >= EXPECTED_CASES
 
 
+def test_runner_cli_exits_with_the_case_runs_code(monkeypatch, capsys):
+    monkeypatch.setattr(case_run, "visible_gpus", lambda: 0)
+    assert runner.main(["--case", "gpt/moe_rowwise_1gpu"]) == case_run.SKIPPED == 3
+    assert "SKIPPED gpt/moe_rowwise_1gpu: needs 1 GPU(s), 0 visible" in capsys.readouterr().out
+    assert runner.main([]) == 2, "no --case: the cases are listed and the exit says it was not a run"
+    assert set(capsys.readouterr().out.split()) >= EXPECTED_CASES
+
+
 def test_a_case_rtol_override_widens_only_its_metric():
     times = {s: 0.44 for s in range(1, 21)}
     slower = {s: 0.44 * 1.10 for s in range(1, 21)}
@@ -397,9 +454,9 @@ def test_train_variant_appends_flags_and_reads_the_log(monkeypatch, tmp_path):
         return MEGATRON_LOG
 
     (tmp_path / "checkpoints").mkdir()  # a stale checkpoint folder must not survive into the run
-    monkeypatch.setattr(runner, "run_training", fake_training)
+    monkeypatch.setattr(training, "run_training", fake_training)
     case = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu")
-    values = runner.train_variant(case, ["--moe-ext-dropless"], str(tmp_path), "dropless", ["lm loss", "num-zeros"])
+    values = training.train_variant(case, ["--moe-ext-dropless"], str(tmp_path), "dropless", ["lm loss", "num-zeros"])
     assert seen["command"][-1] == "--moe-ext-dropless" and "megatron_ext.launch" in seen["command"]
     assert seen["log_path"] == str(tmp_path / "dropless.log") and seen["timeout_s"] == 1200.0
     assert seen["env"]["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0" and not (tmp_path / "checkpoints").exists()

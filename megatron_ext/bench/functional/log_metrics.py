@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 
+from megatron_ext.bench.functional.compare import to_golden_format
+
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|(.*)$")
 MEMORY_LINE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.eE+-]+) "
                          r"\| max allocated: ([\d.eE+-]+)")
@@ -58,7 +60,5 @@ def parse_log(text: str) -> dict[str, dict[int, float]]:
 
 def metrics_from_log(text: str, metrics: list[str]) -> dict:
     """The requested metrics in Megatron's golden-value format (absent metrics are left out)."""
-    from tests.functional_tests.compare import to_golden_format
-
     series = parse_log(text)
     return {metric: to_golden_format(series[metric]) for metric in metrics if series.get(metric)}

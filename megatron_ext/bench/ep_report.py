@@ -4,8 +4,8 @@ rowwise/Megatron dispatch+combine ratios, the same-routes check, and the printed
 
 from __future__ import annotations
 
-from tools.ep_distributed import median
-from tools.ep_paths import Shape
+from megatron_ext.bench.ep_distributed import median
+from megatron_ext.bench.ep_paths import Shape
 
 TARGET_SHORTER = 0.35  # issue 11: rowwise symm dispatch+combine at least 35% shorter than Megatron's
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tools.ep_distributed import Ranks
+from megatron_ext.bench.ep_distributed import Ranks
 
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_mxfp8",
          "rowwise_symm_graph")
@@ -52,7 +52,7 @@ def expert_weights(expert: int, shape: Shape, seed: int, device, dtype):
 @torch.no_grad()
 def load_seeded_weights(layer, shape: Shape, seed: int) -> None:
     """Router and this rank's experts of the seeded global model, into any of the paths' layers."""
-    from tests.megatron_moe import local_expert_range
+    from megatron_ext.testing.megatron_moe import local_expert_range
 
     device, dtype = layer.router.weight.device, layer.router.weight.dtype
     layer.router.weight.copy_(seeded_randn((shape.experts, shape.hidden), seed, device, shape.hidden ** -0.5, dtype))
@@ -86,7 +86,7 @@ def build_layer(path: str, shape: Shape, args, device: torch.device, dtype):
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
     from megatron_ext.specs import moe_builder
-    from tests.megatron_moe import megatron_moe_layer, moe_config
+    from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
 
     config = moe_config(hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts, topk=shape.topk,
                         ep=dist.get_world_size(), dtype=dtype, use_cpu_initialization=device.type != "cuda",

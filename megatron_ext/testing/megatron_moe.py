@@ -1,11 +1,17 @@
-"""Build Megatron MoE layers on tiny shapes and load oracle weights into them (tests only)."""
+"""Megatron-Core MoE layers for comparisons: a TransformerConfig for one MoE layer (tiny
+defaults), Megatron's own MoELayer from the local spec, and the dense oracle's weights
+(reference.MoEWeights) copied into any MoE layer (Megatron's SequentialMLP or megatron_ext's
+grouped experts), with the expert gradients read back in the oracle's layout.
+
+Used by the layer tests and by the benchmarks, which build the layers they time with it.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tests.reference import MoEWeights
+from megatron_ext.testing.reference import MoEWeights
 
 
 def moe_config(*, hidden=32, ffn=16, experts=4, topk=2, dispatcher="alltoall", tp=1, ep=1, etp=None,

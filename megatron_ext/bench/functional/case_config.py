@@ -1,4 +1,5 @@
-"""A functional test case: `test_cases/<model>/<name>/model_config.yaml` and its golden values.
+"""A functional test case: `tests/functional_tests/test_cases/<model>/<name>/model_config.yaml`
+and its golden values.
 
 Keys (Megatron-LM's layout, plus the launch keys this repo needs):
   ENV_VARS:   environment for the run; NVTE_ALLOW_NONDETERMINISTIC_ALGO: 1 skips the exact checks
@@ -26,7 +27,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
-TEST_CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_cases")
+from megatron_ext.bench.repo_paths import FUNCTIONAL_CASES_DIR
+
+TEST_CASES_DIR = str(FUNCTIONAL_CASES_DIR)
 
 
 def _scalar(text: str):

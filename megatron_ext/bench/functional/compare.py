@@ -8,7 +8,11 @@ Checks per metric, as in Megatron-LM's tests/functional_tests/python_test_utils 
   * lm loss:   exact per step (skipped when the case allows nondeterminism) and rtol 0.05
   * num-zeros: exact per step (same rule) and rtol 0.20
   * iteration-time, mem-allocated-bytes, mem-max-allocated-bytes: rtol 0.05 on the median over
-    a steady window (startup steps excluded); a case may override an rtol (RTOL_OVERRIDES)
+    a steady window (startup steps excluded); a case may override an rtol (RTOL_OVERRIDES).
+    One-sided, unlike Megatron's: lower is better for time and memory, so only a slower or
+    larger run beyond the tolerance fails (a regression); a faster or smaller one passes and its
+    message says "faster by N%" / "smaller by N%" (an improvement: a run on a quicker machine
+    of the same kind, or a change that saves time or memory, is not a failure)
 Per-step approximate checks tolerate min(max(N // 100, 1), 50) failing steps out of N; the exact
 check tolerates none. A metric missing on either side, or a step missing from the actual values,
 is a failure, never a skip.
@@ -29,24 +33,45 @@ class DeterministicTest:
 
 
 @dataclasses.dataclass(frozen=True)
+class LowerIsBetter:
+    """A metric for which lower is better (time, memory), with the words for a lower and a
+    higher value. Its approximate checks are one-sided: a regression (higher beyond the
+    tolerance) fails, an improvement (lower, by any amount) passes and is reported."""
+
+    lower: str  # "faster", "smaller"
+    higher: str  # "slower", "larger"
+
+
+FASTER = LowerIsBetter(lower="faster", higher="slower")
+SMALLER = LowerIsBetter(lower="smaller", higher="larger")
+
+
+@dataclasses.dataclass(frozen=True)
 class ApproximateTest:
-    """|actual - golden| <= atol + rtol * |golden|, per step or on the steady-window median."""
+    """|actual - golden| <= atol + rtol * |golden|, per step or on the steady-window median;
+    with `lower_is_better`, only actual - golden is bounded (regressions fail, improvements pass)."""
 
     rtol: float
     atol: float = 0.0
     steady_window_median: bool = False
+    lower_is_better: LowerIsBetter | None = None
 
     @property
     def name(self) -> str:
-        return f"approximate (rtol {self.rtol}{', steady-window median' if self.steady_window_median else ''})"
+        details = [f"rtol {self.rtol}"]
+        if self.steady_window_median:
+            details.append("steady-window median")
+        if self.lower_is_better:
+            details.append(f"fails only when {self.lower_is_better.higher}")
+        return f"approximate ({', '.join(details)})"
 
 
 CHECK_THRESHOLDS = {
     "lm loss": (DeterministicTest(), ApproximateTest(rtol=0.05)),
     "num-zeros": (DeterministicTest(), ApproximateTest(rtol=0.20)),
-    "iteration-time": (ApproximateTest(rtol=0.05, steady_window_median=True),),
-    "mem-allocated-bytes": (ApproximateTest(rtol=0.05, steady_window_median=True),),
-    "mem-max-allocated-bytes": (ApproximateTest(rtol=0.05, steady_window_median=True),),
+    "iteration-time": (ApproximateTest(rtol=0.05, steady_window_median=True, lower_is_better=FASTER),),
+    "mem-allocated-bytes": (ApproximateTest(rtol=0.05, steady_window_median=True, lower_is_better=SMALLER),),
+    "mem-max-allocated-bytes": (ApproximateTest(rtol=0.05, steady_window_median=True, lower_is_better=SMALLER),),
 }
 
 
@@ -90,9 +115,21 @@ def to_golden_format(series: dict[int, float]) -> dict:
 
 
 def _close(actual: float, golden: float, test: ApproximateTest) -> bool:
+    """Within the tolerance; for a lower-is-better metric, any value below the golden one is."""
     if math.isnan(golden) or math.isnan(actual):
         return math.isnan(golden) and math.isnan(actual)
-    return abs(actual - golden) <= test.atol + test.rtol * abs(golden)
+    difference = actual - golden if test.lower_is_better else abs(actual - golden)
+    return difference <= test.atol + test.rtol * abs(golden)
+
+
+def _direction_note(actual: float, golden: float, words: LowerIsBetter, passed: bool) -> str:
+    """How a lower-is-better value moved against the golden one, in percent of the golden value."""
+    if not golden or math.isnan(actual) or math.isnan(golden) or actual == golden:
+        return ""
+    change = 100.0 * abs(actual - golden) / abs(golden)
+    if actual < golden:
+        return f"; {words.lower} by {change:.1f}% (an improvement)"
+    return f"; {words.higher} by {change:.1f}%" + ("" if passed else " (a regression beyond the tolerance)")
 
 
 def _equal(actual: float, golden: float) -> bool:
@@ -122,8 +159,9 @@ def _check_steady_median(metric, test, golden, actual, steps, window) -> CheckRe
     golden_median = statistics.median(golden[s] for s in in_window)
     actual_median = statistics.median(actual[s] for s in in_window)
     ok = _close(actual_median, golden_median, test)
+    note = _direction_note(actual_median, golden_median, test.lower_is_better, ok) if test.lower_is_better else ""
     return CheckResult(metric, test.name, ok, f"median over steps {start}..{end}: actual {actual_median:.6g} vs "
-                                              f"golden {golden_median:.6g} (rtol {test.rtol})")
+                                              f"golden {golden_median:.6g} (rtol {test.rtol}){note}")
 
 
 def compare_metrics(golden: dict, actual: dict, metrics: list[str], allow_nondeterministic: bool,

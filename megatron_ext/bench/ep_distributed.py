@@ -1,7 +1,8 @@
 """Distributed setup of the EP tools (bench_ep, bench_transport): one process per GPU under torchrun,
 EP = world size, and what the ranks share (gather, median, writing the result and leaving).
 
-Importing this module turns NVLink multicast off in the environment before it imports torch.
+Importing this module turns NVLink multicast off in the environment (nvlink_safe_env) before
+it imports torch.
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ import os
 import statistics
 from dataclasses import dataclass
 
-# NVLink multicast must stay off on the multi-GPU hosts (../shared/device/README.md); set before
-# NCCL or symmetric memory initialize, and inherited by every subprocess.
-NVLINK_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(NVLINK_SAFE_ENV)
+from megatron_ext.bench.nvlink_safe_env import NVLINK_SAFE_ENV  # first: multicast off before torch
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tools.bench_common import write_result  # noqa: E402
+from megatron_ext.bench.results import write_result
 
 
 @dataclass(frozen=True)

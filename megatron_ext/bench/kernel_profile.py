@@ -1,0 +1,69 @@
+"""What one benchmark step ran, from torch.profiler: the top device kernels, the top host ops and
+the host synchronizations (each named with the op that made it), per iteration. Tells where a
+step's time goes and whether it waits on the device."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron_ext.bench.measurement import synchronize
+
+_ITERATION = "bench_iteration"  # the profiler range around each profiled call
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_kernels(fn: Callable[[], object], iters: int = 3, top: int = 10) -> dict:
+    """What one iteration of `fn` ran: the top `top` device kernels by time, the top host ops
+    by self CPU time, and the host synchronizations (cuda*Synchronize calls inside `fn`, each
+    named with the innermost op that made it). Times are per iteration."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    fn()
+    synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            with record_function(_ITERATION):
+                fn()
+        synchronize()
+    events = [e for e in prof.events() if e.name != _ITERATION or e.device_type == DeviceType.CPU]
+    iterations = [e.time_range for e in events if e.name == _ITERATION]
+    host_ops = [e for e in events if e.device_type == DeviceType.CPU and e.name != _ITERATION
+                and any(r.start <= e.time_range.start <= r.end for r in iterations)]  # not the profiler's own
+    kernels: dict[str, list[float]] = {}
+    syncs: dict[str, int] = {}
+    for event in events:
+        if event.device_type == DeviceType.CUDA:  # (the iteration's GPU-side annotation is dropped above)
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total / 1e3
+            entry[1] += 1
+        elif event.name in _SYNC_CALLS and event in host_ops:
+            site = f"{event.name} in {_innermost_op(event, host_ops)}"
+            syncs[site] = syncs.get(site, 0) + 1
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
+    total = sum(ms for ms, _ in kernels.values())
+    host_totals: dict[str, float] = {}
+    for event in host_ops:
+        host_totals[event.name] = host_totals.get(event.name, 0.0) + event.self_cpu_time_total / 1e3
+    return {
+        "kernel_ms_per_iter": total / iters,
+        "top_kernels": [{"name": name, "ms_per_iter": ms / iters, "calls_per_iter": n / iters,
+                         "share": ms / total if total else 0.0} for name, (ms, n) in ranked[:top]],
+        "top_host_ops": [{"name": name, "self_cpu_ms_per_iter": ms / iters}
+                         for name, ms in sorted(host_totals.items(), key=lambda item: -item[1])[:top]],
+        "host_syncs_per_iter": sum(syncs.values()) / iters,
+        "host_sync_sites": syncs,
+    }
+
+
+def _innermost_op(event, host_ops) -> str:
+    """Name of the shortest non-runtime host op whose time range contains `event`."""
+    start = event.time_range.start
+    enclosing = [op for op in host_ops if op.time_range.start <= start <= op.time_range.end
+                 and not op.name.startswith("cuda") and op is not event]
+    if not enclosing:
+        return "?"
+    return min(enclosing, key=lambda op: op.time_range.elapsed_us()).name

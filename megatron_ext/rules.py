@@ -1,0 +1,134 @@
+"""One set of rules: what megatron_ext needs from Megatron's settings, read by every door.
+
+The launcher (`arguments.validate_against_megatron`, on parsed args), the rowwise layer
+(`moe/layer.py`, on a TransformerConfig) and the experts (`moe/experts.py`) all ask this module,
+so the Python API and the command line refuse the same things with the same reasons. Each
+message names the TransformerConfig field and the flag that sets it.
+
+Also the one statement of the Megatron release every internal hook was written against, and the
+one error raised when such an internal changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MEGATRON_VERSION = "0.19.2"
+
+
+class MegatronInternalsChanged(RuntimeError):
+    """A Megatron name or signature megatron_ext hooks is not what it was in MEGATRON_VERSION."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A Megatron option the rowwise dispatcher cannot run with (any value but the neutral ones)."""
+
+    field: str  # TransformerConfig field, also the args dest
+    flag: str
+    why: str
+    fix: str
+
+
+ROWWISE_REFUSED: tuple[Refused, ...] = (
+    Refused("moe_expert_capacity_factor", "--moe-expert-capacity-factor",
+            "Megatron's per-expert capacity drops tokens on its host path",
+            "use --moe-ext-capacity-factor (MoEExtConfig.capacity_factor, per destination rank) instead"),
+    Refused("moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity",
+            "padding to capacity happens in Megatron's dispatcher (the rowwise buffers are static already)",
+            "drop it"),
+    Refused("moe_shared_expert_overlap", "--moe-shared-expert-overlap",
+            "the overlap lives inside Megatron's dispatcher (shared experts still run without it)", "drop it"),
+    Refused("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
+            "it is built for Megatron's alltoall/flex dispatchers", "drop it"),
+    Refused("moe_latent_size", "--moe-latent-size", "it needs Transformer Engine latent projections", "drop it"),
+    Refused("moe_enable_deepep", "--moe-enable-deepep", "it selects Megatron's flex dispatcher",
+            "for DeepEP use --moe-ext-transport deepep"),
+)
+
+
+def _is_set(value) -> bool:
+    return value not in (None, False, 0)
+
+
+def _spelled(flag: str, value) -> str:
+    return flag if value is True else f"{flag} {value}"
+
+
+def rowwise_problems(settings) -> list[str]:
+    """Why the rowwise dispatcher cannot run with `settings` (a TransformerConfig or Megatron's args)."""
+    problems = [f"{rule.field}={getattr(settings, rule.field)!r} ({_spelled(rule.flag, getattr(settings, rule.field))}): "
+                f"{rule.why}; {rule.fix}" for rule in ROWWISE_REFUSED if _is_set(getattr(settings, rule.field, None))]
+    if getattr(settings, "moe_token_dispatcher_type", None) == "flex":
+        problems.append("moe_token_dispatcher_type='flex' (--moe-token-dispatcher-type flex): Megatron would build "
+                        "its flex (DeepEP/HybridEP) dispatcher first; use alltoall (ignored by the rowwise layer) "
+                        "and --moe-ext-transport deepep for DeepEP")
+    etp = getattr(settings, "expert_tensor_parallel_size", None)
+    tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
+    if etp is not None and etp > 1:
+        problems.append(f"expert_tensor_parallel_size={etp} (--expert-tensor-parallel-size {etp}): the rowwise experts are "
+                        f"not sharded over tensor parallelism; use 1 and fold the experts over "
+                        f"--expert-model-parallel-size instead")
+    elif etp is None and tp > 1:
+        problems.append(f"tensor_model_parallel_size={tp} (--tensor-model-parallel-size {tp}) needs expert_tensor_parallel_size=1 "
+                        f"(--expert-tensor-parallel-size 1): Megatron defaults it to the tensor-parallel size")
+    return problems
+
+
+@dataclass(frozen=True)
+class ExpertSettings:
+    """What the grouped experts depend on, read from a TransformerConfig or from Megatron's args."""
+
+    swiglu: bool
+    bias: bool
+    etp: int
+    num_experts: int | None
+    ep: int
+    topk: int | None
+    probs_on_input: bool
+
+    @staticmethod
+    def from_config(config) -> "ExpertSettings":
+        import torch.nn.functional as F
+
+        return ExpertSettings(
+            swiglu=bool(config.gated_linear_unit) and config.activation_func is F.silu,
+            bias=bool(config.add_bias_linear), etp=config.expert_tensor_parallel_size or 1,
+            num_experts=config.num_moe_experts, ep=config.expert_model_parallel_size or 1,
+            topk=config.moe_router_topk, probs_on_input=bool(config.moe_apply_probs_on_input))
+
+    @staticmethod
+    def from_args(args) -> "ExpertSettings":
+        etp = getattr(args, "expert_tensor_parallel_size", None)
+        return ExpertSettings(
+            swiglu=bool(getattr(args, "swiglu", False)), bias=bool(getattr(args, "add_bias_linear", False)),
+            etp=1 if etp is None else etp, num_experts=getattr(args, "num_experts", None),
+            ep=getattr(args, "expert_model_parallel_size", 1) or 1, topk=getattr(args, "moe_router_topk", None),
+            probs_on_input=bool(getattr(args, "moe_apply_probs_on_input", False)))
+
+
+def expert_problems(settings: ExpertSettings) -> list[str]:
+    """Why DeviceOffsetGroupedMLP cannot serve these settings (either dispatcher)."""
+    problems = []
+    if not settings.swiglu:
+        problems.append("the grouped experts implement SwiGLU only: set gated_linear_unit=True and "
+                        "activation_func=F.silu (--swiglu)")
+    if settings.bias:
+        problems.append("the grouped experts have no biases: set add_bias_linear=False (--disable-bias-linear; "
+                        "Megatron adds biases by default)")
+    if settings.etp != 1:
+        problems.append(f"the grouped experts are not sharded over tensor parallelism "
+                        f"(expert_tensor_parallel_size={settings.etp}, --expert-tensor-parallel-size {settings.etp}); "
+                        f"use --expert-tensor-parallel-size 1")
+    if settings.probs_on_input and settings.topk != 1:
+        problems.append("moe_apply_probs_on_input needs moe_router_topk=1 (--moe-router-topk 1), as in Megatron")
+    if settings.num_experts is not None:
+        if settings.num_experts % settings.ep:
+            problems.append(f"num_moe_experts={settings.num_experts} (--num-experts {settings.num_experts}) is not "
+                            f"divisible by the expert-parallel size (--expert-model-parallel-size {settings.ep}): every "
+                            f"expert-parallel rank holds the same number of experts")
+        if settings.topk is not None and settings.topk > settings.num_experts:
+            problems.append(f"moe_router_topk={settings.topk} (--moe-router-topk {settings.topk}) exceeds "
+                            f"num_moe_experts={settings.num_experts} (--num-experts {settings.num_experts}); choose "
+                            f"top-k <= the number of experts")
+    return problems

@@ -1,0 +1,102 @@
+"""megatron_ext's per-iteration work inside megatron.training: routing metrics and replica checks.
+
+`--moe-ext-metrics-interval N` prints rank 0's routing metrics every N iterations (one host read
+of the device-side counters); `--moe-ext-replica-check-interval N` checks every N iterations
+that replicas agree (a collective: every rank runs it after the same iterations). Both run after
+Megatron's `train_step`, whichever script drives training (an unmodified pretrain_gpt.py under
+`python -m megatron_ext.launch`, or examples/pretrain_gpt.py): `install` wraps
+`megatron.training.training.train_step`, which `train()` calls by its module-level name. That
+wrap is the only Megatron training internal touched here (checked by `check_hook_point`;
+megatron-core 0.19.2, see megatron_ext.rules).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch.distributed as dist
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged
+
+
+def routing_metrics_line(model, iteration: int) -> str | None:
+    """Rank 0's routing metrics since the last read, as one log line (reads the device)."""
+    layers = [m for m in model_modules(model) if hasattr(m, "read_metrics")]
+    reads = [m for m in (layer.read_metrics() for layer in layers) if m is not None]
+    if not reads:
+        return None
+    dropped = sum(r["dropped_routes"] for r in reads)
+    fill = sum(r["mean_buffer_fill"] for r in reads) / len(reads)
+    return (f"megatron_ext routing (rank 0, iterations up to {iteration}): dropped routes {dropped} | "
+            f"mean capacity fill {fill:.3f} | capacity {reads[0]['capacity']} rows")
+
+
+def model_modules(model):
+    """Every module of a model or of Megatron's list of model chunks."""
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        yield from chunk.modules()
+
+
+def after_train_step(model, iteration: int, config: MoEExtConfig) -> None:
+    """The work due after training iteration `iteration` (0 when nothing is due)."""
+    if config.metrics_interval and iteration % config.metrics_interval == 0:
+        line = routing_metrics_line(model, iteration)
+        if line and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(line, flush=True)
+    if config.replica_check_interval:
+        from megatron_ext.ddp.buckets import groups_from_parallel_state
+        from megatron_ext.ddp.replica_check import maybe_check_replicas
+
+        for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+            maybe_check_replicas(iteration, config.replica_check_interval, chunk, groups_from_parallel_state())
+
+
+def check_hook_point() -> None:
+    """Raise MegatronInternalsChanged if `train()` no longer calls `train_step(..., model, ...)` by name."""
+    from megatron.training import training
+
+    step = getattr(training.train_step, "__wrapped__", training.train_step)
+    params = list(inspect.signature(step).parameters)
+    problems = []
+    if params[:3] != ["forward_step_func", "data_iterator", "model"] or "iteration" not in params:
+        problems.append(f"megatron.training.training.train_step{inspect.signature(step)} (expected "
+                        f"(forward_step_func, data_iterator, model, ..., iteration=None, ...))")
+    if "train_step" not in training.train.__code__.co_names:
+        problems.append("megatron.training.training.train no longer calls train_step by its module-level name")
+    if problems:
+        raise MegatronInternalsChanged(f"megatron_ext.training_hooks was written against megatron-core "
+                                       f"{MEGATRON_VERSION}; these changed:\n  - " + "\n  - ".join(problems))
+
+
+def install(config: MoEExtConfig) -> bool:
+    """Run `after_train_step` after every Megatron train_step; idempotent (the newest config wins).
+    Returns whether a hook is active (nothing is installed when both intervals are 0)."""
+    from megatron.training import training
+
+    current = training.train_step
+    if getattr(current, "_megatron_ext_config", None) is not None:
+        current._megatron_ext_config[0] = config
+        return True
+    if not (config.metrics_interval or config.replica_check_interval):
+        return False
+    check_hook_point()
+    signature = inspect.signature(current)
+    holder = [config]
+
+    @functools.wraps(current)
+    def train_step(*args, **kwargs):
+        result = current(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
+        iteration = bound.get("iteration")
+        if iteration is None:
+            from megatron.training import get_args
+
+            iteration = getattr(get_args(), "curr_iteration", 0)
+        after_train_step(bound["model"], iteration, holder[0])
+        return result
+
+    train_step._megatron_ext_config = holder
+    training.train_step = train_step
+    return True

@@ -1,0 +1,64 @@
+"""Per-iteration hooks inside megatron.training: metrics and replica checks act under any script."""
+
+import torch
+
+from megatron_ext import training_hooks
+from megatron_ext.config import MoEExtConfig
+
+
+class _LayerWithMetrics(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def read_metrics(self):
+        self.reads += 1
+        return {"dropped_routes": 3, "mean_buffer_fill": 0.5, "capacity": 64}
+
+
+def test_metrics_are_read_every_interval(capsys):
+    model = torch.nn.Sequential(_LayerWithMetrics(), _LayerWithMetrics())
+    config = MoEExtConfig(metrics_interval=2)
+    for iteration in range(1, 6):
+        training_hooks.after_train_step([model], iteration, config)
+    assert [m.reads for m in model] == [2, 2], "iterations 2 and 4 read each layer once"
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == [f"megatron_ext routing (rank 0, iterations up to {i}): dropped routes 6 | mean capacity fill "
+                     f"0.500 | capacity 64 rows" for i in (2, 4)]
+
+
+def test_nothing_runs_with_zero_intervals(capsys):
+    model = torch.nn.Sequential(_LayerWithMetrics())
+    training_hooks.after_train_step(model, 10, MoEExtConfig())
+    assert model[0].reads == 0 and capsys.readouterr().out == ""
+
+
+def test_hook_point_and_install_are_idempotent(monkeypatch):
+    from megatron.training import training
+
+    training_hooks.check_hook_point()  # megatron.training as shipped in the pinned wheel
+    original = getattr(training.train_step, "__wrapped__", training.train_step)  # another test may have wrapped it
+    monkeypatch.setattr(training, "train_step", original)
+    assert not training_hooks.install(MoEExtConfig()), "no interval: nothing to install"
+    assert training.train_step is original
+    assert training_hooks.install(MoEExtConfig(metrics_interval=5))
+    wrapped = training.train_step
+    assert wrapped is not original and wrapped.__wrapped__ is original
+    assert training_hooks.install(MoEExtConfig(replica_check_interval=3))
+    assert training.train_step is wrapped and wrapped._megatron_ext_config[0].replica_check_interval == 3
+
+
+def test_wrapped_train_step_runs_the_hooks_with_megatrons_arguments(monkeypatch):
+    from megatron.training import training
+
+    calls = []
+
+    def fake_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                        forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+        return "step result"
+
+    monkeypatch.setattr(training, "train_step", fake_train_step)
+    monkeypatch.setattr(training_hooks, "after_train_step", lambda model, it, cfg: calls.append((model, it)))
+    training_hooks.install(MoEExtConfig(metrics_interval=1))
+    assert training.train_step(None, None, "MODEL", None, None, None, None, iteration=7) == "step result"
+    assert calls == [("MODEL", 7)]
