@@ -49,6 +49,7 @@ class ExtFlag:
     type: type | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    default_text: str | None = None  # the README's default column where the field's default is None
 
     @property
     def dest(self) -> str:
@@ -71,7 +72,7 @@ FLAGS: tuple[ExtFlag, ...] = (
             help="Size the capacity for the worst case (EP * T_max * top_k): nothing is ever dropped."),
     ExtFlag("max_tokens_per_rank", "--moe-ext-max-tokens-per-rank", "value", type=int, metavar="T_MAX",
             help="Tokens a rank holds in one microbatch (T_max). Default: fixed from the first "
-                 "microbatch's shape, which is static in Megatron training."),
+                 "microbatch's shape, which is static in Megatron training.", default_text="auto (first microbatch)"),
     ExtFlag("mxfp8_dispatch", "--moe-ext-mxfp8-dispatch", "on",
             help="Carry dispatched rows as MXFP8 (E4M3 + one E8M0 scale per 32 values); needs "
                  "--moe-ext-dispatcher rowwise and a hidden size divisible by 32."),
@@ -96,6 +97,10 @@ FLAGS: tuple[ExtFlag, ...] = (
     ExtFlag("lease_slots", "--moe-ext-lease-slots", "value", type=int, metavar="N",
             help="Dispatch-buffer slots per MoE layer (microbatches in flight per layer; symm transport); "
                  "raise it for pipeline schedules that keep several microbatches of a layer alive."),
+    ExtFlag("peer_timeout_s", "--moe-ext-peer-timeout-s", "value", type=float, metavar="SECONDS",
+            help="How long a rank waits on its expert-parallel peers (count exchange, row transfers, device "
+                 "barriers) before it stops with a message naming the phase and the group. Default: "
+                 "--distributed-timeout-minutes.", default_text="`--distributed-timeout-minutes`"),
     ExtFlag("compile_route_map", "--moe-ext-no-compile-route-map", "off",
             help="Do not fuse the route-map planning with torch.compile on GPUs (same results; "
                  "compiling saves host time per layer but costs a compile at the first step)."),
@@ -253,7 +258,7 @@ def flag_table_markdown() -> str:
         elif flag.kind == "on":
             shown = "off"
         else:
-            shown = "auto (first microbatch)" if default is None else f"`{default}`"
+            shown = flag.default_text if default is None else f"`{default}`"
         spelled = f"`{flag.flag}`" if flag.kind != "value" else f"`{flag.flag} {flag.metavar or '{' + ','.join(flag.choices) + '}'}`"
         rows.append(f"| {spelled} | `{flag.field}` | {shown} | {flag.help} |")
     return "\n".join(rows)

@@ -39,6 +39,9 @@ class MoEExtConfig:
     lease_slots: dispatch-buffer slots per layer (live microbatches per layer; symm transport).
     compile_route_map: on GPUs, fuse the route-map planning with torch.compile (same results,
         ~1.5 ms less host time per layer; compiled once per shape at the first step).
+    peer_timeout_s: how long a rank waits on its expert-parallel peers (count exchange, transfers,
+        device barriers) before it ends with a message naming the phase; None follows Megatron's
+        --distributed-timeout-minutes (else torch's default process-group timeout, 30 min).
     """
 
     dispatcher: str = "rowwise"
@@ -55,6 +58,7 @@ class MoEExtConfig:
     debug_checks: bool = False
     lease_slots: int = 1
     compile_route_map: bool = True
+    peer_timeout_s: float | None = None
 
     def __post_init__(self):
         for name in ("dropless", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison", "debug_checks",
@@ -65,6 +69,10 @@ class MoEExtConfig:
         if self.max_tokens_per_rank is not None:
             _require_type("max_tokens_per_rank", self.max_tokens_per_rank, int, "an integer or None")
         _require_type("capacity_factor", self.capacity_factor, (int, float), "a number such as 1.25")
+        if self.peer_timeout_s is not None:
+            _require_type("peer_timeout_s", self.peer_timeout_s, (int, float), "a number of seconds or None")
+            if not (self.peer_timeout_s > 0 and math.isfinite(self.peer_timeout_s)):
+                raise ValueError(f"peer_timeout_s must be > 0 seconds (or None), got {self.peer_timeout_s}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown MoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
         if self.transport not in TRANSPORTS:

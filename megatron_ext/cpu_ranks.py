@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -80,14 +81,30 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, sizes, results):
             torch.distributed.destroy_process_group()
 
 
+def _record_dead_ranks(procs, outcomes: dict, seen_dead: set) -> None:
+    """Ranks whose process ended without putting a result: failed, with their exit code. A rank is
+    recorded on the second empty poll after it died (a result it queued just before exiting is read
+    first)."""
+    for rank, proc in enumerate(procs):
+        if rank in outcomes or proc.is_alive() or proc.exitcode is None:
+            continue
+        if rank in seen_dead:
+            outcomes[rank] = (False, f"rank {rank} exited with code {proc.exitcode} without a result "
+                                     f"(killed, or os._exit)\n")
+        seen_dead.add(rank)
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, sizes: ParallelSizes | None = None,
-                 timeout: float = 240.0, **kwargs) -> list[Any]:
+                 timeout: float = 240.0, wait_all: bool = False, **kwargs) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` forked gloo ranks.
 
     With `sizes`, Megatron's parallel_state is initialized first. Returns the per-rank
     return values (picklable), or raises RankFailure with every failing rank's traceback
-    (or a timeout naming the ranks that did not finish).
+    (or a timeout naming the ranks that did not finish). A rank process that dies without a
+    result (killed, os._exit) is reported as soon as it is gone. `wait_all` collects every
+    rank's outcome even after one failed (fault tests: what did the survivors say?).
     """
+    kwargs_wait_all = wait_all
     from megatron_ext._cpu import apply_cpu_shims
 
     apply_cpu_shims()
@@ -99,16 +116,23 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, sizes: Parallel
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    seen_dead: set[int] = set()
     try:
         while len(outcomes) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(outcomes))
-                raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s "
-                                  f"(deadlock or a rank waiting on a failed peer)") from None
+                _record_dead_ranks(procs, outcomes, seen_dead)
+                if len(outcomes) == world_size:
+                    break
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s "
+                                      f"(deadlock or a rank waiting on a failed peer)") from None
+                continue
             outcomes[rank] = (ok, value)
-            if not ok:
+            if not ok and not kwargs_wait_all:
                 break  # peers may now hang in a collective; report what we have
     finally:
         for proc in procs:

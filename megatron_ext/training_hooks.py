@@ -29,8 +29,10 @@ def routing_metrics_line(model, iteration: int) -> str | None:
         return None
     dropped = sum(r["dropped_routes"] for r in reads)
     fill = sum(r["mean_buffer_fill"] for r in reads) / len(reads)
+    nonfinite = sum(r.get("nonfinite_prob_routes", 0) for r in reads)
+    warning = f" | NaN/Inf router probabilities on {nonfinite} routes" if nonfinite else ""
     return (f"megatron_ext routing (rank 0, iterations up to {iteration}): dropped routes {dropped} | "
-            f"mean capacity fill {fill:.3f} | capacity {reads[0]['capacity']} rows")
+            f"mean capacity fill {fill:.3f} | capacity {reads[0]['capacity']} rows{warning}")
 
 
 def model_modules(model):

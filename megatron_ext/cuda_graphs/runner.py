@@ -81,6 +81,7 @@ class _ReplaySlot(torch.autograd.Function):
         ctx.runner, ctx.slot = runner, slot
         slot.input.copy_(hidden)
         slot.forward_graph.replay()
+        runner._watch("graphed MoE layer forward")
         return slot.output.detach()
 
     @staticmethod
@@ -88,6 +89,7 @@ class _ReplaySlot(torch.autograd.Function):
         slot = ctx.slot
         slot.grad_output.copy_(grad_output)
         slot.backward_graph.replay()
+        ctx.runner._watch("graphed MoE layer backward")
         ctx.runner._release(slot)
         grad_input, *param_grads = slot.grads
         return (grad_input, None, None, *param_grads)
@@ -173,6 +175,12 @@ class GraphedMoELayer:
         if slot.lease is not None:
             slot.lease.release()
             slot.lease = None
+
+    def _watch(self, phase: str) -> None:
+        """Let the transport's barrier watchdog bound the replayed barriers too (one event per graph)."""
+        watchdog = getattr(getattr(getattr(self.layer, "token_dispatcher", None), "transport", None), "watchdog", None)
+        if watchdog is not None:
+            watchdog.record(phase)
 
     def _lease_pool(self):
         return getattr(getattr(getattr(self.layer, "token_dispatcher", None), "transport", None), "pool", None)

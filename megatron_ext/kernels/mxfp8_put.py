@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.kernels.row_transfer import _check_common, _check_runnable, _require
+from megatron_ext.kernels.row_transfer import _check_common, _check_runnable, _require, _row_bound
 from megatron_ext.moe.mxfp8 import check_input_rows, packed_row_bytes
 
 try:
@@ -41,7 +41,7 @@ NUM_WARPS = 4
 if triton is not None:
 
     @triton.jit
-    def _put_rows_mxfp8_kernel(bits_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr,
+    def _put_rows_mxfp8_kernel(bits_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, num_peers, capacity,
                                H: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr,
                                INPUT_BF16: tl.constexpr, NATIVE_FP8_CAST: tl.constexpr,
                                BLOCKS: tl.constexpr):
@@ -61,23 +61,25 @@ if triton is not None:
             code, scale = mxfp8_quantize_tile(bits, NATIVE_FP8_CAST)
             code, scale = code.to(tl.uint8), scale.to(tl.uint8)
             for k in tl.static_range(K):  # unrolled: the K row addresses are independent
-                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, token * K + k, ROW_BYTES,
-                                      tl.uint8)
+                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, token * K + k, num_peers,
+                                      capacity, ROW_BYTES, tl.uint8)
                 tl.store(dst + column, code, mask=valid[:, None] & kept)
                 tl.store(dst + H + block, scale, mask=valid & kept)
         if PAD > 0:
             pad = tl.arange(0, 16)
             for k in tl.static_range(K):
-                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, token * K + k, ROW_BYTES,
-                                      tl.uint8)
+                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, token * K + k, num_peers,
+                                      capacity, ROW_BYTES, tl.uint8)
                 tl.store(dst + H + N_BLOCKS + pad, tl.zeros([16], dtype=tl.uint8), mask=(pad < PAD) & kept)
 
 
 def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
-                   *, blocks_per_program: int | None = None, num_warps: int | None = None) -> None:
+                   *, capacity: int | None = None, blocks_per_program: int | None = None,
+                   num_warps: int | None = None) -> None:
     """Quantize src [T, H] (bf16/fp32, H % 32 == 0) to MXFP8 and store each packed row
     (``packed_row_bytes(H)`` bytes) into peer dest_rank[t, k]'s buffer row dest_row[t, k] for every
-    kept route; dropped routes (-1) write nothing. Bytes equal ``pack_rows(quantize_rows(src))``."""
+    kept route; dropped routes (-1) and routes outside [0, M) x [0, capacity) write nothing. Bytes equal
+    ``pack_rows(quantize_rows(src))``."""
     op = "put_rows_mxfp8"
     T, K, H = _check_common(op, src, dest_rank, dest_row, peer_table)
     try:
@@ -98,7 +100,7 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
         mxfp8_quant.check_tile_elements(blocks_per_program * 32, num_warps, op)
     bits = src.view(torch.int16) if src.dtype == torch.bfloat16 else src.view(torch.int32)
     _put_rows_mxfp8_kernel[(T,)](
-        bits, dest_rank, dest_row, peer_table, H, K, packed_row_bytes(H),
+        bits, dest_rank, dest_row, peer_table, peer_table.numel(), _row_bound(capacity), H, K, packed_row_bytes(H),
         INPUT_BF16=src.dtype == torch.bfloat16,
         NATIVE_FP8_CAST=src.is_cuda and mxfp8_quant.NATIVE_FP8_CAST_ON_GPU,
         BLOCKS=blocks_per_program, num_warps=num_warps,

@@ -74,17 +74,19 @@ if triton is not None:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, H: tl.constexpr, BUF: tl.constexpr):
-        """(pointer to the route's destination row, kept?) — a dropped route points at rank 0 row 0."""
+    def _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H: tl.constexpr,
+                  BUF: tl.constexpr):
+        """(pointer to the route's destination row, kept?) — a route that is dropped (-1) or points outside
+        [0, num_peers) x [0, capacity) is masked: it points at rank 0 row 0 and nothing is read or written."""
         rank = tl.load(dest_rank_ptr + route)
         row = tl.load(dest_row_ptr + route)
-        kept = (rank >= 0) & (row >= 0)
+        kept = (rank >= 0) & (row >= 0) & (rank < num_peers) & (row < capacity)
         base = tl.load(peer_table_ptr + tl.where(kept, rank, 0)).to(tl.pointer_type(BUF))
         base = tl.multiple_of(base, 16)  # peer buffers are 16-byte aligned: allows 128-bit accesses
         return base + tl.where(kept, row, 0).to(tl.int64) * H, kept
 
     @triton.jit
-    def _put_rows_kernel(src_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, row_scale_ptr,
+    def _put_rows_kernel(src_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, row_scale_ptr, num_peers, capacity,
                          H: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr, BUF: tl.constexpr,
                          BLOCK_H: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
@@ -95,7 +97,7 @@ if triton is not None:
             x = tl.load(src_ptr + token * H + col, mask=in_row)
             for k in tl.static_range(K):  # unrolled: the K row addresses are independent
                 route = token * K + k
-                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, H, BUF)
+                dst, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H, BUF)
                 if HAS_SCALE:
                     value = (x.to(tl.float32) * tl.load(row_scale_ptr + route)).to(BUF)
                 else:
@@ -103,8 +105,8 @@ if triton is not None:
                 tl.store(dst + col, value, mask=in_row & kept)
 
     @triton.jit
-    def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr,
-                         H: tl.constexpr, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr, num_peers,
+                         capacity, H: tl.constexpr, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                          HAS_GATHERED: tl.constexpr, BUF: tl.constexpr, BLOCK_H: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
@@ -114,7 +116,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
             for k in tl.static_range(K):  # unrolled: the K loads are in flight together
                 route = token * K + k
-                src, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, H, BUF)
+                src, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H, BUF)
                 row = tl.load(src + col, mask=in_row & kept, other=0.0).to(tl.float32)
                 if HAS_WEIGHTS:
                     acc += tl.where(kept, tl.load(weights_ptr + route), 0.0) * row
@@ -123,6 +125,18 @@ if triton is not None:
                 if HAS_GATHERED:
                     tl.store(gathered_ptr + route * H + col, row.to(gathered_ptr.dtype.element_ty), mask=in_row)
             tl.store(out_ptr + token * H + col, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+_NO_ROW_BOUND = 2**31 - 1
+
+
+def _row_bound(capacity: int | None) -> int:
+    """The kernels' exclusive upper bound on dest_row (int32 range when the caller gives none)."""
+    if capacity is None:
+        return _NO_ROW_BOUND
+    _require(isinstance(capacity, int) and 0 <= capacity <= _NO_ROW_BOUND,
+             f"capacity must be an int in [0, 2^31), got {capacity!r}")
+    return capacity
 
 
 def _require(cond: bool, message: str, error=ValueError) -> None:
@@ -203,10 +217,12 @@ def _config(H, dtype, block_h, num_warps):
 
 
 def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
-             row_scale: torch.Tensor | None = None, *, block_h: int | None = None,
+             row_scale: torch.Tensor | None = None, *, capacity: int | None = None, block_h: int | None = None,
              num_warps: int | None = None) -> None:
     """Store src[t] (times row_scale[t, k] in fp32, if given) into peer dest_rank[t, k]'s buffer row
-    dest_row[t, k] for every kept route; dropped routes (-1) write nothing. Buffers have src's dtype."""
+    dest_row[t, k] for every kept route; dropped routes (-1) write nothing. Buffers have src's dtype.
+    Routes outside [0, M) x [0, capacity) are masked (no write); pass the buffers' row count as
+    `capacity` (None: only the rank is bounded)."""
     T, K, H = _check_common("put_rows", src, dest_rank, dest_row, peer_table, (("row_scale", row_scale),))
     _require(src.dtype in _BUFFER_DTYPES, f"put_rows: src dtype {src.dtype} not supported; use one of "
              f"{_BUFFER_DTYPES}", TypeError)
@@ -214,18 +230,20 @@ def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
     if T == 0 or K == 0 or H == 0:
         return
     block_h, num_warps = _config(H, src.dtype, block_h, num_warps)
-    _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale, H, K,
+    _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale,
+                           peer_table.numel(), _row_bound(capacity), H, K,
                            HAS_SCALE=row_scale is not None, BUF=_TL_DTYPES[src.dtype], BLOCK_H=block_h,
                            num_warps=num_warps)
 
 
 def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, out: torch.Tensor,
              weights: torch.Tensor | None = None, gathered: torch.Tensor | None = None, *,
-             buffer_dtype: torch.dtype | None = None, block_h: int | None = None,
+             capacity: int | None = None, buffer_dtype: torch.dtype | None = None, block_h: int | None = None,
              num_warps: int | None = None) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * peer[dest_rank[t, k]][dest_row[t, k]] (fp32 accumulation, weights
     None = 1, dropped routes add exactly 0); if `gathered` [T, K, H] is given, it receives every fetched
-    row (0 for dropped). Peer buffers hold `buffer_dtype` (default: out's dtype). Returns out."""
+    row (0 for dropped). Peer buffers hold `buffer_dtype` (default: out's dtype). Routes outside
+    [0, M) x [0, capacity) read nothing and add 0, like dropped ones. Returns out."""
     T, K, H = _check_common("get_rows", out, dest_rank, dest_row, peer_table, (("weights", weights),))
     buffer_dtype = out.dtype if buffer_dtype is None else buffer_dtype
     for name, dtype in (("buffer_dtype", buffer_dtype), ("out", out.dtype)):
@@ -243,7 +261,7 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
         return out
     block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
     _get_rows_kernel[(T,)](peer_table, dest_rank, dest_row, out, out if weights is None else weights,
-                           out if gathered is None else gathered, H, K, HAS_WEIGHTS=weights is not None,
+                           out if gathered is None else gathered, peer_table.numel(), _row_bound(capacity), H, K, HAS_WEIGHTS=weights is not None,
                            HAS_GATHERED=gathered is not None, BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h,
                            num_warps=num_warps)
     return out

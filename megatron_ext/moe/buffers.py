@@ -37,10 +37,11 @@ class SymmetricBuffer:
     peer_table: torch.Tensor  # [M] int64 base addresses, on the device
     handle: object = None  # object with .barrier(channel=0) (None with one rank)
 
-    def barrier(self) -> None:
-        """Device-side barrier over the EP group: all peers' prior writes are visible after it."""
+    def barrier(self, timeout_ms: int = 0) -> None:
+        """Device-side barrier over the EP group: all peers' prior writes are visible after it.
+        With `timeout_ms` > 0 the barrier kernel traps after that long (a peer that never arrives)."""
         if self.handle is not None:
-            self.handle.barrier(channel=0)
+            self.handle.barrier(channel=0, timeout_ms=timeout_ms)
 
 
 def poison_then_fence(buffer: SymmetricBuffer) -> None:

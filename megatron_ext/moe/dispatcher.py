@@ -75,10 +75,16 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self._ensure_transport(hidden.shape[0], hidden.device)
         self.top_idx = routing_map_to_topk(routing_map, self.topk)
         top_probs = probs.gather(1, self.top_idx).float()
+        if self.config.moe_apply_probs_on_input:  # top-1 (rules.moe_problems): the experts see p * x, as
+            hidden = (top_probs * hidden).to(hidden.dtype)  # in Megatron's experts; combine then weights by 1
+            top_probs = torch.ones_like(top_probs)
         return hidden, top_probs
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
+        # Routes whose router probability is NaN/Inf (from NaN/Inf hidden states or router weights):
+        # they move like any other route (Megatron would compute them too); counted for the metrics.
+        self.nonfinite_routes = (~torch.isfinite(probs)).sum()
         self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
                                compiled=self.ext_config.compile_route_map and hidden.is_cuda,
                                gather_counts=getattr(self.transport, "gather_counts", None))

@@ -16,11 +16,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
-from megatron_ext.rules import ExpertSettings, expert_problems, rowwise_problems
+from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems, rowwise_problems
 
 def check_megatron_config(config) -> None:
     """Refuse TransformerConfig settings the rowwise layer cannot run with (megatron_ext.rules)."""
-    problems = rowwise_problems(config) + expert_problems(ExpertSettings.from_config(config))
+    settings = ExpertSettings.from_config(config)
+    problems = rowwise_problems(config) + moe_problems(settings) + expert_problems(settings)
     if config.num_moe_experts is None:
         problems.append("num_moe_experts is None: the rowwise MoE layer needs a MoE config (--num-experts)")
     if problems:
@@ -69,16 +70,16 @@ class RowwiseMoELayer(MoELayer):
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if self.training:
-            self._accumulate_metrics(self.token_dispatcher.route_map.metrics)
+            self._accumulate_metrics(self.token_dispatcher.route_map.metrics, self.token_dispatcher.nonfinite_routes)
         return output
 
     @torch.no_grad()
-    def _accumulate_metrics(self, metrics) -> None:
+    def _accumulate_metrics(self, metrics, nonfinite_routes: torch.Tensor) -> None:
         """Running device-side sums, updated in place (so CUDA graphs keep updating the same
         tensors): no host read until `read_metrics`."""
         current = (metrics.requested_per_expert.long(), metrics.kept_per_expert.long(),
                    metrics.dropped_routes.long(), metrics.buffer_fill.float(),
-                   torch.ones((), dtype=torch.long, device=metrics.dropped_routes.device))
+                   torch.ones((), dtype=torch.long, device=metrics.dropped_routes.device), nonfinite_routes.long())
         if self._metrics is None:
             self._metrics = [torch.zeros_like(t) for t in current]
         for total, value in zip(self._metrics, current):
@@ -88,7 +89,7 @@ class RowwiseMoELayer(MoELayer):
         """Host copy of the routing metrics since the last read (synchronizes: logging steps only)."""
         if self._metrics is None:
             return None
-        requested, kept, dropped, fill, steps = (t.to("cpu", copy=True) for t in self._metrics)
+        requested, kept, dropped, fill, steps, nonfinite = (t.to("cpu", copy=True) for t in self._metrics)
         if reset:
             for total in self._metrics:
                 total.zero_()
@@ -98,7 +99,8 @@ class RowwiseMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         kept_routes = dispatcher.routes_per_step * n - int(dropped)  # this rank's routes that moved
         return {"steps": n, "requested_per_expert": requested.tolist(), "kept_per_expert": kept.tolist(),
-                "dropped_routes": int(dropped), "mean_buffer_fill": float(fill) / n,
+                "dropped_routes": int(dropped), "nonfinite_prob_routes": int(nonfinite),
+                "mean_buffer_fill": float(fill) / n,
                 "capacity": dispatcher.capacity, "dispatch_row_bytes": dispatcher.row_bytes,
                 "dispatch_buffer_bytes": dispatcher.capacity * dispatcher.row_bytes,
                 "dispatched_bytes_per_step": kept_routes * dispatcher.row_bytes // n}

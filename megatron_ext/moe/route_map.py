@@ -241,7 +241,13 @@ def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None, co
     if ep_rank is None:
         ep_rank = 0 if group is None else dist.get_rank(group)
     counts = count_routes(top_idx, num_experts)
-    requested_all = gather_counts(counts) if gather_counts is not None else all_gather_counts(counts, group)
+    if gather_counts is not None:
+        requested_all = gather_counts(counts)
+    else:
+        from megatron_ext.moe.peer_failure import named_phase
+
+        with named_phase("route-count exchange", group):
+            requested_all = all_gather_counts(counts, group)
     plan_and_build = _fused_plan_and_build if compiled else _plan_and_build
     *maps, requested, kept, dropped, fill = plan_and_build(top_idx, requested_all, ep_rank, capacity)
     return RouteMap(*maps, RouteMetrics(requested, kept, dropped, fill))

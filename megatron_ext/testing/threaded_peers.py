@@ -75,7 +75,7 @@ class _Barrier:
     def __init__(self, peers: ThreadedPeers, rank: int):
         self.peers, self.rank = peers, rank
 
-    def barrier(self, channel: int = 0) -> None:
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
         self.peers._barrier.wait()
         self.peers.barriers_passed[self.rank] += 1
 

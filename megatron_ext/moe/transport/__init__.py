@@ -8,6 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from megatron_ext.moe.peer_failure import peer_timeout_seconds
 from megatron_ext.moe.transport.torch_ref import TorchRowTransport
 
 
@@ -42,12 +43,14 @@ def resolve_transport(choice: str, group, device: torch.device) -> str:
 def make_transport(ext_config, group, capacity: int, device: torch.device):
     """Build the configured transport for one layer's EP group and static capacity."""
     choice = resolve_transport(ext_config.transport, group, device)
+    timeout_s = peer_timeout_seconds(ext_config.peer_timeout_s)
     if choice == "torch":
-        return TorchRowTransport(group, capacity, poison_tail=ext_config.debug_poison)
+        return TorchRowTransport(group, capacity, poison_tail=ext_config.debug_poison, timeout_s=timeout_s)
     if choice == "symm":
         from megatron_ext.moe.transport.symm import SymmRowTransport
 
-        return SymmRowTransport(group, capacity, lease_slots=ext_config.lease_slots, poison=ext_config.debug_poison)
+        return SymmRowTransport(group, capacity, lease_slots=ext_config.lease_slots, poison=ext_config.debug_poison,
+                                timeout_s=timeout_s)
     if choice == "deepep":
         from megatron_ext.moe.transport.deepep import DeepEPRowTransport
 

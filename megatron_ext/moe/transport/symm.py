@@ -30,13 +30,25 @@ from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
 from megatron_ext.kernels.row_transfer import get_rows, put_rows
 from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, SymmetricHeap, TorchSymmetricHeap, poison_then_fence
 from megatron_ext.moe.mxfp8 import packed_row_bytes
+from megatron_ext.moe.peer_failure import BarrierWatchdog
 from megatron_ext.moe.route_map import RouteMap
+
+
+_PHASE_OF_ROLE = {"combine_source": "combine", "dispatch_grad": "dispatch backward"}
 
 
 class SymmRowTransport:
     def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False,
-                 heap: SymmetricHeap | None = None, rank: int | None = None, world: int | None = None):
-        """`heap`, `rank` and `world` replace the process group's (simulated peers in tests)."""
+                 heap: SymmetricHeap | None = None, rank: int | None = None, world: int | None = None,
+                 timeout_s: float | None = None):
+        """`heap`, `rank` and `world` replace the process group's (simulated peers in tests).
+        `timeout_s` bounds every device barrier (moe/peer_failure.py); None: unbounded."""
+        # The kernel's own bound is a backstop at twice the watchdog's, so the watchdog's message
+        # (phase and group) comes first; a trapped barrier would only say "unspecified launch failure".
+        self.timeout_ms = 0 if timeout_s is None else max(1, int(2 * timeout_s * 1000))
+        self.watchdog = None
+        if heap is None and timeout_s is not None and group is not None and dist.get_world_size(group) > 1:
+            self.watchdog = BarrierWatchdog(timeout_s, group)
         if heap is None:
             group = group if group is not None and dist.get_world_size(group) > 1 else None
             world = 1 if group is None else dist.get_world_size(group)
@@ -66,6 +78,12 @@ class SymmRowTransport:
         """Shared [C, H] scratch for BF16 rows shaped like `rows_like` (combine and backward)."""
         return self.heap.scratch(role, (self.capacity, rows_like.shape[1]), rows_like.dtype, rows_like.device)
 
+    def _fence(self, buffer: SymmetricBuffer, phase: str) -> None:
+        """The phase's barrier, bounded by the peer timeout and watched (no-op with one rank)."""
+        buffer.barrier(self.timeout_ms)
+        if self.watchdog is not None:
+            self.watchdog.record(phase)
+
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """[E] int32 route counts of every EP rank -> [M, E] (this layer's table; PUT + barrier).
 
@@ -81,15 +99,15 @@ class SymmRowTransport:
             self._count_rows = torch.full((1, self.world), self.rank, dtype=torch.int32, device=counts.device)
         # int32 counts travel as float32 words (the PUT copies bits: no arithmetic without a scale).
         put_rows(counts.to(torch.int32).view(torch.float32)[None], self._count_ranks, self._count_rows,
-                 self._counts.peer_table)
-        self._counts.barrier()
+                 self._counts.peer_table, capacity=self.world)
+        self._fence(self._counts, "route-count exchange")
         return self._counts.local.view(torch.int32)
 
     def dispatch(self, tokens: torch.Tensor, route: RouteMap):
         self._ensure_buffers(tokens.shape[1], tokens.dtype, tokens.device)
         lease = self.pool.acquire()
-        put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table)
-        lease.buffer.barrier()
+        put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table, capacity=self.capacity)
+        self._fence(lease.buffer, "dispatch")
         return lease.buffer.local, lease
 
     def dispatch_quantized(self, tokens: torch.Tensor, route: RouteMap):
@@ -102,8 +120,9 @@ class SymmRowTransport:
         row_bytes = packed_row_bytes(tokens.shape[1])
         self._ensure_buffers(row_bytes // 4, torch.float32, tokens.device)
         lease = self.pool.acquire()
-        put_rows_mxfp8(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table)
-        lease.buffer.barrier()
+        put_rows_mxfp8(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table,
+                       capacity=self.capacity)
+        self._fence(lease.buffer, "MXFP8 dispatch")
         return lease.buffer.local.view(torch.uint8), lease
 
     def combine(self, expert_out: torch.Tensor, route: RouteMap, probs: torch.Tensor):
@@ -112,22 +131,24 @@ class SymmRowTransport:
         out = torch.empty(num_tokens, expert_out.shape[1], dtype=expert_out.dtype, device=expert_out.device)
         gathered = torch.empty(num_tokens, topk, expert_out.shape[1], dtype=expert_out.dtype,
                                device=expert_out.device)
-        get_rows(source.peer_table, route.dest_rank, route.dest_row, out, probs.float().contiguous(), gathered)
+        get_rows(source.peer_table, route.dest_rank, route.dest_row, out, probs.float().contiguous(), gathered,
+                 capacity=self.capacity)
         return out, gathered
 
     def combine_backward(self, grad_out: torch.Tensor, route: RouteMap, probs: torch.Tensor) -> torch.Tensor:
         target = self._scratch("combine_grad", grad_out)
         if self.poison:  # peers PUT into this buffer next: fence the fill before them
             poison_then_fence(target)
-        put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, probs.float().contiguous())
-        target.barrier()
+        put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, probs.float().contiguous(),
+                 capacity=self.capacity)
+        self._fence(target, "combine backward")
         return target.local
 
     def dispatch_backward(self, grad_buffer: torch.Tensor, route: RouteMap) -> torch.Tensor:
         source = self._gather_source("dispatch_grad", grad_buffer)
         out = torch.empty(route.dest_row.shape[0], grad_buffer.shape[1], dtype=grad_buffer.dtype,
                           device=grad_buffer.device)
-        return get_rows(source.peer_table, route.dest_rank, route.dest_row, out)
+        return get_rows(source.peer_table, route.dest_rank, route.dest_row, out, capacity=self.capacity)
 
     def _gather_source(self, role: str, rows: torch.Tensor):
         """Copy this rank's rows into the role's symmetric scratch and fence the group.
@@ -143,7 +164,7 @@ class SymmRowTransport:
             return SymmetricBuffer(rows, table)
         source = self._scratch(role, rows)
         source.local.copy_(rows)  # every row rewritten: no poison needed
-        source.barrier()
+        self._fence(source, _PHASE_OF_ROLE[role])
         return source
 
     def release(self, lease) -> None:

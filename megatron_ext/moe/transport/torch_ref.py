@@ -14,27 +14,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_ext.moe.peer_failure import named_phase
 from megatron_ext.moe.route_map import RouteMap
 
 
 class TorchRowTransport:
-    def __init__(self, group, capacity: int, poison_tail: bool = False):
+    def __init__(self, group, capacity: int, poison_tail: bool = False, timeout_s: float | None = None):
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.capacity = capacity
         self.poison_tail = poison_tail
+        self.timeout_s = timeout_s  # the process group's own timeout bounds the wait; named in errors
 
-    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+    def _exchange(self, send: torch.Tensor, phase: str) -> torch.Tensor:
         """[M * C, H] blocks out, [M * C, H] blocks in (block i to / from rank i)."""
         if self.size == 1:
             return send
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        with named_phase(phase, self.group, self.timeout_s):
+            dist.all_to_all_single(recv, send, group=self.group)
         return recv
 
     # The four transfers (transport/base.py); autograd owns every buffer, so no leases.
     def dispatch(self, tokens, route):
-        return self._put(tokens, route), None
+        return self._put(tokens, route, phase="dispatch"), None
 
     def dispatch_quantized(self, tokens, route):
         """MXFP8 rows: quantize and pack [T, H] tokens, then the same PUT on the packed rows viewed
@@ -42,31 +45,38 @@ class TorchRowTransport:
         from megatron_ext.moe.mxfp8_dispatch import quantize_packed  # that module imports transports
 
         packed = quantize_packed(tokens.contiguous())
-        return self._put(packed.view(torch.float32), route).view(torch.uint8), None
+        return self._put(packed.view(torch.float32), route, phase="MXFP8 dispatch").view(torch.uint8), None
 
     def combine(self, expert_out, route, probs):
-        return self._get(expert_out, route, weights=probs, keep_gathered=True)
+        return self._get(expert_out, route, weights=probs, keep_gathered=True, phase="combine")
 
     def combine_backward(self, grad_out, route, probs):
-        return self._put(grad_out, route, row_scale=probs)
+        return self._put(grad_out, route, row_scale=probs, phase="combine backward")
 
     def dispatch_backward(self, grad_buffer, route):
-        return self._get(grad_buffer, route)[0]
+        return self._get(grad_buffer, route, phase="dispatch backward")[0]
 
     def release(self, lease) -> None:
         pass
 
-    def _put(self, src: torch.Tensor, route: RouteMap, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def _in_range(self, route: RouteMap) -> torch.Tensor:
+        """[T, K] routes that are kept and inside [0, M) x [0, C): the others move nothing (as the
+        symm kernels mask them), whatever a corrupted route map says."""
+        rank, row = route.dest_rank, route.dest_row
+        return (rank >= 0) & (rank < self.size) & (row >= 0) & (row < self.capacity)
+
+    def _put(self, src: torch.Tensor, route: RouteMap, row_scale: torch.Tensor | None = None,
+             phase: str = "dispatch") -> torch.Tensor:
         num_tokens, topk = route.dest_row.shape
         hidden, blocks = src.shape[1], self.size * self.capacity
         rows = src[:, None, :].expand(num_tokens, topk, hidden)
         if row_scale is not None:
             rows = (rows.float() * row_scale[..., None].float()).to(src.dtype)
-        kept = route.dest_row >= 0
+        kept = self._in_range(route)
         slot = torch.where(kept, route.dest_rank.long() * self.capacity + route.dest_row.long(), blocks)
-        send = src.new_zeros(blocks + 1, hidden)  # last row: sink for dropped routes
+        send = src.new_zeros(blocks + 1, hidden)  # last row: sink for dropped and out-of-range routes
         send.index_copy_(0, slot.reshape(-1), rows.reshape(-1, hidden))
-        recv = self._exchange(send[:blocks])
+        recv = self._exchange(send[:blocks], phase)
         owner = route.row_source.long()
         rows_here = torch.arange(self.capacity, device=src.device)
         buf = recv[owner.clamp(min=0) * self.capacity + rows_here]
@@ -74,15 +84,15 @@ class TorchRowTransport:
         return torch.where((owner >= 0)[:, None], buf, tail_value)
 
     def _get(self, buf: torch.Tensor, route: RouteMap, weights: torch.Tensor | None = None,
-             keep_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             keep_gathered: bool = False, phase: str = "combine") -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, blocks = buf.shape[1], self.size * self.capacity
         owner = route.row_source.long()
         rows_here = torch.arange(self.capacity, device=buf.device)
         slot = torch.where(owner >= 0, owner * self.capacity + rows_here, blocks)
         send = buf.new_zeros(blocks + 1, hidden)
         send.index_copy_(0, slot, buf)  # tail rows go to the sink row, never on the wire
-        recv = torch.cat([self._exchange(send[:blocks]), buf.new_zeros(1, hidden)])
-        kept = route.dest_row >= 0
+        recv = torch.cat([self._exchange(send[:blocks], phase), buf.new_zeros(1, hidden)])
+        kept = self._in_range(route)
         source_slot = torch.where(kept, route.dest_rank.long() * self.capacity + route.dest_row.long(), blocks)
         gathered = recv[source_slot]  # [T, K, H], zero rows for dropped routes
         if weights is None:
