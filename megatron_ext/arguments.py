@@ -70,6 +70,10 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "C are dropped by a fair max-min policy (replaces Megatron's --moe-expert-capacity-factor)."),
     ExtFlag("dropless", "--moe-ext-dropless", "on",
             help="Size the capacity for the worst case (EP * T_max * top_k): nothing is ever dropped."),
+    ExtFlag("on_overflow", "--moe-ext-on-overflow", "value", type=str, choices=("drop", "error"),
+            help="Routes beyond the capacity: drop (fair policy, counted in the metrics) or error (bounded "
+                 "dropless: capacity from --moe-ext-capacity-factor, no route dropped silently; an overflow stops "
+                 "training at the next logging interval with the layer, the count and what to raise)."),
     ExtFlag("max_tokens_per_rank", "--moe-ext-max-tokens-per-rank", "value", type=int, metavar="T_MAX",
             help="Tokens a rank holds in one microbatch (T_max). Default: fixed from the first "
                  "microbatch's shape, which is static in Megatron training.", default_text="auto (first microbatch)"),

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 
 DISPATCHERS = ("rowwise", "megatron")
+OVERFLOW_POLICIES = ("drop", "error")
 TRANSPORTS = ("auto", "torch", "symm", "deepep")
 
 
@@ -25,6 +26,11 @@ class MoEExtConfig:
         torch).
     capacity_factor: per-destination-rank capacity C = round_up(ceil(cf * T_max * K), 16).
     dropless: size C for the worst case (EP * T_max * K): nothing is ever dropped.
+    on_overflow: what routes beyond the capacity mean. "drop": the fair keep policy drops them and
+        the metrics count them. "error": bounded dropless: C stays cf * T_max * K (no worst-case
+        buffers), no route may be dropped, and an overflow stops training with a clear error at
+        the next check (`RowwiseMoELayer.check_overflow`, run by megatron_ext.training_hooks
+        every logging interval: one host read, never per layer).
     max_tokens_per_rank: T_max, the static number of tokens a rank holds in one microbatch;
         None fixes it from the first forward's input shape (static in Megatron training).
     mxfp8_dispatch: carry dispatched rows as MXFP8 (E4M3 + E8M0 per 32 values).
@@ -48,6 +54,7 @@ class MoEExtConfig:
     transport: str = "auto"
     capacity_factor: float = 1.25
     dropless: bool = False
+    on_overflow: str = "drop"
     max_tokens_per_rank: int | None = None
     mxfp8_dispatch: bool = False
     cuda_graphs: bool = False
@@ -77,6 +84,11 @@ class MoEExtConfig:
             raise ValueError(f"unknown MoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown row transport {self.transport!r}; choose one of {TRANSPORTS}")
+        if self.on_overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"unknown on_overflow policy {self.on_overflow!r}; choose one of {OVERFLOW_POLICIES}")
+        if self.on_overflow == "error" and self.dropless:
+            raise ValueError("on_overflow='error' bounds the capacity by capacity_factor (bounded dropless); "
+                             "dropless=True sizes it for the worst case instead: choose one")
         if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"capacity_factor must be > 0 and finite, got {self.capacity_factor}; "
                              f"use e.g. 1.25, or dropless=True to never drop routes")
@@ -95,6 +107,9 @@ class MoEExtConfig:
             if self.cuda_graphs:
                 raise ValueError("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
                                  "dispatchers synchronize with the host (dispatcher='megatron'). Use dispatcher='rowwise'.")
+            if self.on_overflow != "drop":
+                raise ValueError("on_overflow applies to dispatcher='rowwise' (Megatron's dispatchers are dropless "
+                                 "or drop by their own settings)")
             if self.transport != "auto":
                 raise ValueError(f"transport={self.transport!r} only applies to dispatcher='rowwise'; "
                                  f"dispatcher='megatron' moves tokens with Megatron's moe_token_dispatcher_type "

@@ -41,8 +41,13 @@ def model_modules(model):
         yield from chunk.modules()
 
 
-def after_train_step(model, iteration: int, config: MoEExtConfig) -> None:
-    """The work due after training iteration `iteration` (0 when nothing is due)."""
+def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: int = 1) -> None:
+    """The work due after training iteration `iteration`: metrics and replica checks at their
+    intervals; the bounded-dropless overflow check every `log_interval` iterations."""
+    if config.on_overflow == "error" and iteration % max(log_interval, 1) == 0:
+        for module in model_modules(model):
+            if hasattr(module, "check_overflow"):
+                module.check_overflow()
     if config.metrics_interval and iteration % config.metrics_interval == 0:
         line = routing_metrics_line(model, iteration)
         if line and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -72,6 +77,16 @@ def check_hook_point() -> None:
                                        f"{MEGATRON_VERSION}; these changed:\n  - " + "\n  - ".join(problems))
 
 
+def _megatron_args():
+    """megatron.training's parsed args, or None before (or without) its initialisation."""
+    try:
+        from megatron.training import get_args
+
+        return get_args()
+    except (AssertionError, ImportError):
+        return None
+
+
 def install(config: MoEExtConfig) -> bool:
     """Run `after_train_step` after every Megatron train_step; idempotent (the newest config wins).
     Returns whether a hook is active (nothing is installed when both intervals are 0)."""
@@ -81,7 +96,7 @@ def install(config: MoEExtConfig) -> bool:
     if getattr(current, "_megatron_ext_config", None) is not None:
         current._megatron_ext_config[0] = config
         return True
-    if not (config.metrics_interval or config.replica_check_interval):
+    if not (config.metrics_interval or config.replica_check_interval or config.on_overflow == "error"):
         return False
     check_hook_point()
     signature = inspect.signature(current)
@@ -91,12 +106,11 @@ def install(config: MoEExtConfig) -> bool:
     def train_step(*args, **kwargs):
         result = current(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
+        args = _megatron_args()
         iteration = bound.get("iteration")
         if iteration is None:
-            from megatron.training import get_args
-
-            iteration = getattr(get_args(), "curr_iteration", 0)
-        after_train_step(bound["model"], iteration, holder[0])
+            iteration = getattr(args, "curr_iteration", 0)
+        after_train_step(bound["model"], iteration, holder[0], getattr(args, "log_interval", 1) or 1)
         return result
 
     train_step._megatron_ext_config = holder

@@ -18,6 +18,9 @@ Paths (same weights, same tokens and output gradients per rank, hence the same r
   rowwise_symm_mxfp8    rowwise_symm with MoEExtConfig(mxfp8_dispatch=True); reported as not
                         available when the flag is refused or the dispatch payload stays BF16
                         (output bitwise equal to rowwise_symm's)
+  rowwise_symm_dropless rowwise_symm with dropless=True (capacity for the worst case, EP * T * K rows)
+  rowwise_symm_bounded  rowwise_symm with on_overflow="error" (bounded dropless: capacity from the factor,
+                        an overflow is an error, checked after the timed steps)
   rowwise_symm_graph    rowwise_symm with MoEExtConfig.cuda_graphs (the layer's graph runner: forward and
                         backward replayed; layer time only: the phases cannot be timed inside a graph)
 
@@ -165,6 +168,14 @@ def run_path(path: str, shape: Shape, args, ranks: Ranks, x, grad_out, outputs: 
         dist.barrier()
         result["phases"] = time_phases(layer, step, clock, args.iters)
     result.update(routing_metrics(layer))
+    if path == "rowwise_symm_bounded":  # the same on every rank: the overflow count is global
+        from megatron_ext.moe.overflow import CapacityExceeded
+
+        try:
+            layer.check_overflow()
+            result["overflow"] = "none"
+        except CapacityExceeded as error:
+            result["overflow"] = str(error)
     del layer, step
     if ranks.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_ext.bench.ep_distributed import Ranks
 
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_mxfp8",
-         "rowwise_symm_graph")
+         "rowwise_symm_graph", "rowwise_symm_dropless", "rowwise_symm_bounded")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,9 @@ def build_layer(path: str, shape: Shape, args, device: torch.device, dtype):
         layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
     else:
         ext = MoEExtConfig(transport="torch" if path == "rowwise_torch" else "symm",
-                           capacity_factor=args.capacity_factor, dropless=args.dropless,
+                           capacity_factor=args.capacity_factor,
+                           dropless=args.dropless or path == "rowwise_symm_dropless",
+                           on_overflow="error" if path == "rowwise_symm_bounded" else "drop",
                            mxfp8_dispatch=path == "rowwise_symm_mxfp8", cuda_graphs=path == "rowwise_symm_graph")
         layer = moe_builder(ext)(config=config)
     layer = layer.to(device)

@@ -16,6 +16,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems, rowwise_problems
 
 def check_megatron_config(config) -> None:
@@ -55,6 +56,7 @@ class RowwiseMoELayer(MoELayer):
             self.num_local_experts, self.local_expert_indices, config, ext_config,
             pg_collection=pg_collection)
         self._metrics = None
+        self._overflow = OverflowGuard() if ext_config.on_overflow == "error" else None
         self._graph_runner = None
         if ext_config.cuda_graphs:
             from megatron_ext.cuda_graphs.runner import GraphedMoELayer
@@ -69,6 +71,8 @@ class RowwiseMoELayer(MoELayer):
 
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if self._overflow is not None:  # training and evaluation alike: no route dropped silently
+            self._overflow.record(self.token_dispatcher.route_map.metrics, self.token_dispatcher.ep_size)
         if self.training:
             self._accumulate_metrics(self.token_dispatcher.route_map.metrics, self.token_dispatcher.nonfinite_routes)
         return output
@@ -84,6 +88,13 @@ class RowwiseMoELayer(MoELayer):
             self._metrics = [torch.zeros_like(t) for t in current]
         for total, value in zip(self._metrics, current):
             total.add_(value)
+
+    def check_overflow(self) -> None:
+        """Bounded dropless: raise CapacityExceeded if routes overflowed since the last check (a host read)."""
+        if self._overflow is not None and self.token_dispatcher.transport is not None:
+            dispatcher = self.token_dispatcher
+            self._overflow.check(f"MoE layer {self.layer_number}", dispatcher.capacity,
+                                 dispatcher.max_tokens * dispatcher.topk, self.ext_config.capacity_factor)
 
     def read_metrics(self, reset: bool = True) -> dict | None:
         """Host copy of the routing metrics since the last read (synchronizes: logging steps only)."""

@@ -58,7 +58,29 @@ def test_wrapped_train_step_runs_the_hooks_with_megatrons_arguments(monkeypatch)
         return "step result"
 
     monkeypatch.setattr(training, "train_step", fake_train_step)
-    monkeypatch.setattr(training_hooks, "after_train_step", lambda model, it, cfg: calls.append((model, it)))
+    monkeypatch.setattr(training_hooks, "after_train_step", lambda model, it, cfg, log_interval=1: calls.append((model, it)))
     training_hooks.install(MoEExtConfig(metrics_interval=1))
     assert training.train_step(None, None, "MODEL", None, None, None, None, iteration=7) == "step result"
     assert calls == [("MODEL", 7)]
+
+
+def test_overflow_is_checked_every_log_interval():
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    class _Bounded(torch.nn.Module):
+        checks = 0
+
+        def check_overflow(self):
+            type(self).checks += 1
+            if type(self).checks == 2:
+                raise CapacityExceeded("overflowed")
+
+    model = torch.nn.Sequential(_Bounded())
+    config = MoEExtConfig(on_overflow="error")
+    training_hooks.after_train_step(model, 3, config, log_interval=5)  # not a logging step
+    training_hooks.after_train_step(model, 5, config, log_interval=5)
+    assert _Bounded.checks == 1
+    import pytest
+
+    with pytest.raises(CapacityExceeded):
+        training_hooks.after_train_step(model, 10, config, log_interval=5)

@@ -1,0 +1,61 @@
+"""Bounded dropless (MoEExtConfig.on_overflow="error"): capacity from the capacity factor, no
+worst-case buffers, and no route dropped silently.
+
+Cost removed (against dropless=True): dispatch buffers and expert activations sized
+cf * T_max * K rows per rank instead of EP * T_max * K (at EP=8, top-8, 16384 tokens, hidden 4096,
+bf16: 1.3 GB instead of 8.6 GB per layer slot). Cost accepted: routes beyond the capacity are
+still dropped by the fair policy in the step where they happen (the step cannot wait for the host
+to learn it); the layer counts them on the device, in place (CUDA-graph safe), and
+`OverflowGuard.check` (one host read, at logging steps: megatron_ext.training_hooks) stops
+training with CapacityExceeded naming the layer, the overflow and the capacity factor that the
+largest load seen would have needed. A shared arena across the MoE layers of a microbatch was
+evaluated and not built: torch._grouped_mm reads each group from row 0 of its input, so a layer
+whose rows start at a device-side arena offset would need a grouped GEMM with a start row (or a
+copy into a fixed per-layer buffer, which brings the per-layer capacity back); docs/design.md,
+"Route map".
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CapacityExceeded(RuntimeError):
+    """Routes overflowed a bounded-dropless layer's capacity (on_overflow='error')."""
+
+
+class OverflowGuard:
+    """Device-side counters of one layer: routes beyond capacity, largest per-rank demand, forwards."""
+
+    def __init__(self):
+        self.overflowed: torch.Tensor | None = None
+        self.peak_demand: torch.Tensor | None = None
+        self.forwards: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def record(self, metrics, ep_size: int) -> None:
+        requested = metrics.requested_per_expert.long()  # [E], every source rank's routes
+        overflow = requested.sum() - metrics.kept_per_expert.long().sum()
+        demand = requested.view(ep_size, -1).sum(1).max()  # rows the busiest rank was asked for
+        if self.overflowed is None:
+            self.overflowed, self.peak_demand, self.forwards = (torch.zeros_like(overflow) for _ in range(3))
+        self.overflowed.add_(overflow)
+        torch.maximum(self.peak_demand, demand, out=self.peak_demand)
+        self.forwards.add_(1)
+
+    def check(self, where: str, capacity: int, rows_at_cf_1: int, capacity_factor: float) -> None:
+        """Raise CapacityExceeded if any route overflowed since the last check (reads the device)."""
+        if self.overflowed is None:
+            return
+        overflowed, peak, forwards = (int(t) for t in (self.overflowed, self.peak_demand, self.forwards))
+        for counter in (self.overflowed, self.peak_demand, self.forwards):
+            counter.zero_()
+        if overflowed == 0:
+            return
+        needed = peak / max(rows_at_cf_1, 1)
+        raise CapacityExceeded(
+            f"megatron_ext bounded dropless: {where} received more routes than its capacity of {capacity} rows per "
+            f"rank: {overflowed} route(s) overflowed in the last {forwards} forward(s) (the busiest rank was asked "
+            f"for {peak} rows), and on_overflow='error' forbids dropping them. Raise --moe-ext-capacity-factor "
+            f"(now {capacity_factor}; the largest load seen needs >= {needed:.2f}), or use --moe-ext-dropless "
+            f"(worst-case buffers), or --moe-ext-on-overflow drop")

@@ -1,0 +1,71 @@
+"""Bounded dropless (on_overflow="error"): capacity from the capacity factor, never a silent drop.
+
+gloo ranks, torch transport. Without overflow the layer equals dropless=True bitwise (same rows in
+the same places, a shorter tail); with overflow it raises CapacityExceeded at the check, naming the
+layer, the count and the capacity factor needed; buffers are sized by the bound, not the worst case.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.moe.capacity import rank_capacity
+from megatron_ext.moe.overflow import CapacityExceeded
+from megatron_ext.specs import moe_builder
+from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights
+
+TOKENS, HIDDEN, EXPERTS, TOPK = 16, 32, 8, 2
+
+
+def _layer(world, **ext):
+    layer = moe_builder(MoEExtConfig(transport="torch", **ext))(
+        config=moe_config(hidden=HIDDEN, ffn=16, experts=EXPERTS, topk=TOPK, ep=world))
+    load_weights(layer, MoEWeights.random(EXPERTS, HIDDEN, 16, seed=8))
+    return layer
+
+
+def _step(layer, x, g):
+    x = x.clone().view(TOKENS, 1, HIDDEN).requires_grad_(True)
+    out, _ = layer(x)
+    out.backward(g.view_as(out))
+    return out.detach(), x.grad, layer.experts.fc1_weight.grad
+
+
+def _bounded_rank(rank, world, capacity_factor):
+    x, g = rank_tokens(rank, TOKENS, HIDDEN)
+    bounded = _layer(world, capacity_factor=capacity_factor, on_overflow="error")
+    got = _step(bounded, x, g)
+    try:
+        bounded.check_overflow()
+        overflowed = None
+    except CapacityExceeded as error:
+        overflowed = str(error)
+    want = _step(_layer(world, dropless=True), x, g)
+    equal = all(torch.equal(a, b) for a, b in zip(got, want))
+    return overflowed, equal, bounded.token_dispatcher.capacity
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_overflow_equals_dropless_with_bounded_buffers(world):
+    results = run_on_ranks(_bounded_rank, world, 1.5, sizes=ParallelSizes(ep=world))
+    for overflowed, equal, capacity in results:
+        assert overflowed is None and equal
+        worst = rank_capacity(TOKENS, TOPK, world, 1.0, dropless=True)
+        assert capacity == rank_capacity(TOKENS, TOPK, world, 1.5, dropless=False) < worst
+
+
+def test_overflow_is_an_error_naming_layer_and_factor():
+    results = run_on_ranks(_bounded_rank, 2, 0.5, sizes=ParallelSizes(ep=2))
+    for overflowed, equal, capacity in results:
+        assert overflowed is not None and not equal
+        assert "MoE layer" in overflowed and f"capacity of {capacity} rows" in overflowed
+        assert "route(s) overflowed" in overflowed and "--moe-ext-capacity-factor (now 0.5" in overflowed
+
+
+def test_config_refuses_conflicting_overflow_settings():
+    with pytest.raises(ValueError, match="choose one"):
+        MoEExtConfig(dropless=True, on_overflow="error")
+    with pytest.raises(ValueError, match="unknown on_overflow"):
+        MoEExtConfig(on_overflow="spill")
