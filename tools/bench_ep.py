@@ -66,6 +66,7 @@ least 35% shorter). With --device cuda (the default) and no GPU visible, it exit
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import asdict
 

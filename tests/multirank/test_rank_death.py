@@ -11,7 +11,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
