@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_ext.config import DISPATCHERS, TRANSPORTS, MoEExtConfig
-from megatron_ext.rules import ExpertSettings, expert_problems, rowwise_problems
+from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems, rowwise_problems
 
 GROUP_TITLE = "megatron_ext MoE"
 DEST_PREFIX = "moe_ext_"
@@ -214,11 +214,15 @@ def _ext_flag_conflicts(args) -> list[str]:
 
 
 def _expert_conflicts(args) -> list[str]:
-    """What megatron_ext's grouped experts (both dispatchers) need (megatron_ext.rules), plus the
-    launcher-only norm check."""
-    experts = f"--num-experts {args.num_experts} with megatron_ext's grouped experts (--moe-ext-dispatcher " \
-              f"{args.moe_ext_dispatcher})"
-    problems = [f"{experts}: {problem}" for problem in expert_problems(ExpertSettings.from_args(args))]
+    """MoE settings no experts can run (both dispatchers), what the grouped experts cannot serve
+    (rowwise only: the megatron dispatcher falls back to Megatron's experts), plus the launcher-only
+    norm check (megatron_ext.rules)."""
+    settings = ExpertSettings.from_args(args)
+    problems = [f"--num-experts {args.num_experts}: {problem}" for problem in moe_problems(settings)]
+    if args.moe_ext_dispatcher == "rowwise":  # with megatron the layer builds Megatron's own experts instead
+        problems += [f"--num-experts {args.num_experts} with megatron_ext's grouped experts (--moe-ext-dispatcher "
+                     f"rowwise): {problem}; or use --moe-ext-dispatcher megatron (Megatron's own experts)"
+                     for problem in expert_problems(settings)]
     if getattr(args, "transformer_impl", None) == "transformer_engine" and getattr(args, "spec", None) is None \
             and importlib.util.find_spec("transformer_engine") is None:
         problems.append("--transformer-impl transformer_engine (Megatron's default) without Transformer Engine "

@@ -77,58 +77,66 @@ def rowwise_problems(settings) -> list[str]:
 
 @dataclass(frozen=True)
 class ExpertSettings:
-    """What the grouped experts depend on, read from a TransformerConfig or from Megatron's args."""
+    """What the grouped experts depend on, read from a TransformerConfig or from Megatron's args.
 
-    swiglu: bool
-    bias: bool
+    Activation, biases, dtype and sizes are not here: the grouped experts serve every activation,
+    bias and size Megatron's experts do (docs/design.md, "Experts")."""
+
+    gated: bool
     etp: int
     num_experts: int | None
     ep: int
     topk: int | None
     probs_on_input: bool
+    glu_interleave: int | None = None
 
     @staticmethod
     def from_config(config) -> "ExpertSettings":
-        import torch.nn.functional as F
-
         return ExpertSettings(
-            swiglu=bool(config.gated_linear_unit) and config.activation_func is F.silu,
-            bias=bool(config.add_bias_linear), etp=config.expert_tensor_parallel_size or 1,
+            gated=bool(config.gated_linear_unit), etp=config.expert_tensor_parallel_size or 1,
             num_experts=config.num_moe_experts, ep=config.expert_model_parallel_size or 1,
-            topk=config.moe_router_topk, probs_on_input=bool(config.moe_apply_probs_on_input))
+            topk=config.moe_router_topk, probs_on_input=bool(config.moe_apply_probs_on_input),
+            glu_interleave=getattr(config, "moe_mlp_glu_interleave_size", None))
 
     @staticmethod
     def from_args(args) -> "ExpertSettings":
         etp = getattr(args, "expert_tensor_parallel_size", None)
+        gated = any(getattr(args, name, False) for name in ("swiglu", "quick_geglu", "gated_linear_unit"))
         return ExpertSettings(
-            swiglu=bool(getattr(args, "swiglu", False)), bias=bool(getattr(args, "add_bias_linear", False)),
-            etp=1 if etp is None else etp, num_experts=getattr(args, "num_experts", None),
+            gated=gated, etp=1 if etp is None else etp, num_experts=getattr(args, "num_experts", None),
             ep=getattr(args, "expert_model_parallel_size", 1) or 1, topk=getattr(args, "moe_router_topk", None),
-            probs_on_input=bool(getattr(args, "moe_apply_probs_on_input", False)))
+            probs_on_input=bool(getattr(args, "moe_apply_probs_on_input", False)),
+            glu_interleave=getattr(args, "moe_mlp_glu_interleave_size", None))
 
 
-def expert_problems(settings: ExpertSettings) -> list[str]:
-    """Why DeviceOffsetGroupedMLP cannot serve these settings (either dispatcher)."""
+def moe_problems(settings: ExpertSettings) -> list[str]:
+    """MoE settings no experts can run with (Megatron refuses them too): refused by every door."""
     problems = []
-    if not settings.swiglu:
-        problems.append("the grouped experts implement SwiGLU only: set gated_linear_unit=True and "
-                        "activation_func=F.silu (--swiglu)")
-    if settings.bias:
-        problems.append("the grouped experts have no biases: set add_bias_linear=False (--disable-bias-linear; "
-                        "Megatron adds biases by default)")
-    if settings.etp != 1:
-        problems.append(f"the grouped experts are not sharded over tensor parallelism "
-                        f"(expert_tensor_parallel_size={settings.etp}, --expert-tensor-parallel-size {settings.etp}); "
-                        f"use --expert-tensor-parallel-size 1")
     if settings.probs_on_input and settings.topk != 1:
-        problems.append("moe_apply_probs_on_input needs moe_router_topk=1 (--moe-router-topk 1), as in Megatron")
+        problems.append(f"moe_apply_probs_on_input (--moe-apply-probs-on-input) needs moe_router_topk=1 "
+                        f"(--moe-router-topk 1), as in Megatron; got moe_router_topk={settings.topk}")
     if settings.num_experts is not None:
         if settings.num_experts % settings.ep:
             problems.append(f"num_moe_experts={settings.num_experts} (--num-experts {settings.num_experts}) is not "
-                            f"divisible by the expert-parallel size (--expert-model-parallel-size {settings.ep}): every "
-                            f"expert-parallel rank holds the same number of experts")
+                            f"divisible by the expert-parallel size (--expert-model-parallel-size {settings.ep}): "
+                            f"every expert-parallel rank holds the same number of experts")
         if settings.topk is not None and settings.topk > settings.num_experts:
             problems.append(f"moe_router_topk={settings.topk} (--moe-router-topk {settings.topk}) exceeds "
                             f"num_moe_experts={settings.num_experts} (--num-experts {settings.num_experts}); choose "
                             f"top-k <= the number of experts")
+    return problems
+
+
+def expert_problems(settings: ExpertSettings) -> list[str]:
+    """What DeviceOffsetGroupedMLP cannot serve. The rowwise dispatcher refuses these; with
+    dispatcher="megatron" the MoE layer builds Megatron's own experts instead (specs.moe_builder)."""
+    problems = []
+    if settings.etp != 1:
+        problems.append(f"the grouped experts are not sharded over tensor parallelism "
+                        f"(expert_tensor_parallel_size={settings.etp}, --expert-tensor-parallel-size {settings.etp}); "
+                        f"use --expert-tensor-parallel-size 1")
+    if settings.gated and settings.glu_interleave is not None:
+        problems.append(f"moe_mlp_glu_interleave_size={settings.glu_interleave} (--moe-mlp-glu-interleave-size "
+                        f"{settings.glu_interleave}) is TEGroupedMLP's interleaved fc1 layout; the grouped experts "
+                        f"keep SequentialMLP's [gate; up] layout: drop it")
     return problems

@@ -2,8 +2,9 @@
 
 Composition only: the MLP slot of each MoE layer becomes
 `partial(RowwiseMoELayer, submodules=MoESubmodules(experts=DeviceOffsetGroupedMLP, ...), ext_config=...)`
-(or Megatron's MoELayer with only the experts swapped, for dispatcher="megatron"). Router and
-shared-expert builders are kept from the original spec. Usable from the command line as
+(or Megatron's MoELayer with only the experts swapped, for dispatcher="megatron"; there a config
+the grouped experts cannot serve gets the original spec's experts, with one logged line). Router
+and shared-expert builders are kept from the original spec. Usable from the command line as
 `--spec megatron_ext.specs gpt_block_spec`. Written against megatron-core 0.19.2, where the
 MLP slot is a builder callable (functools.partial of MoELayer).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: F401
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -21,6 +23,8 @@ from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.layer import RowwiseMoELayer
 
 _default_ext_config: MoEExtConfig | None = None
+logger = logging.getLogger(__name__)
+_fallbacks_logged: set[str] = set()
 
 
 def set_default_ext_config(ext_config: MoEExtConfig) -> None:
@@ -59,10 +63,32 @@ def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | No
     experts = DeviceOffsetGroupedMLP
     if ext_config.debug_checks:  # the experts validate their offsets (a host read per forward)
         experts = functools.partial(DeviceOffsetGroupedMLP, debug_checks=True)
-    submodules = dataclasses.replace(base, experts=experts)
     if ext_config.dispatcher == "megatron":
-        return functools.partial(MoELayer, submodules=submodules)
+        experts = functools.partial(grouped_or_megatron_experts, megatron_experts=base.experts,
+                                    debug_checks=ext_config.debug_checks)
+        return functools.partial(MoELayer, submodules=dataclasses.replace(base, experts=experts))
+    submodules = dataclasses.replace(base, experts=experts)
     return functools.partial(RowwiseMoELayer, submodules=submodules, ext_config=ext_config)
+
+
+def grouped_or_megatron_experts(num_local_experts, config, pg_collection=None, name=None, *,
+                                megatron_experts=None, debug_checks: bool = False):
+    """The experts builder of dispatcher="megatron": DeviceOffsetGroupedMLP, or Megatron's own
+    experts from the original spec (SequentialMLP in the local spec) for a config the grouped
+    experts cannot serve (DeviceOffsetGroupedMLP.unsupported), with one logged line per reason."""
+    reasons = DeviceOffsetGroupedMLP.unsupported(config)
+    if not reasons or megatron_experts is None:  # nothing to fall back to: the grouped experts refuse
+        return DeviceOffsetGroupedMLP(num_local_experts, config, pg_collection=pg_collection, name=name,
+                                      debug_checks=debug_checks)
+    line = "; ".join(reasons)
+    if line not in _fallbacks_logged:
+        _fallbacks_logged.add(line)
+        logger.warning("megatron_ext: MoE layers use Megatron's own experts, not the grouped experts: %s", line)
+    if isinstance(megatron_experts, ModuleSpec):
+        from megatron.core.transformer.spec_utils import build_module
+
+        return build_module(megatron_experts, num_local_experts, config, pg_collection=pg_collection, name=name)
+    return megatron_experts(num_local_experts, config, pg_collection=pg_collection, name=name)
 
 
 def swap_moe_parts(spec, ext_config: MoEExtConfig | None = None):

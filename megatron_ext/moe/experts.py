@@ -2,30 +2,42 @@
 
 Megatron-Core 0.19.2 without Transformer Engine runs experts as SequentialMLP: a Python loop
 over experts that needs per-expert token counts on the host (`.tolist()`), i.e. one device to
-host sync per layer plus E small GEMMs. Here fc1 -> SwiGLU -> fc2 is `torch._grouped_mm` on
+host sync per layer plus E small GEMMs. Here fc1 -> activation -> fc2 is `torch._grouped_mm` on
 cumulative int32 end offsets that stay on the device (bf16 on sm90/sm100: a CUTLASS kernel
-reads them on the GPU; other dtypes and CPU fall back to torch's per-group loop, which is
-fine for tests). Cost accepted: none on the fast path beyond the int32 cumsum of the counts.
+reads them on the GPU; fp16/fp32 and CPU fall back to torch's per-group loop, which reads the
+offsets on the host). Cost accepted: none on the fast path beyond the int32 cumsum of the counts.
 
-Input may be a capacity buffer [C, H]: only rows < offsets[-1] are read, SwiGLU runs on the
-valid prefix only (kernels/swiglu.py), and outputs and gradients never depend on the tail.
+Input may be a capacity buffer [C, H]: the GEMMs read only rows < offsets[-1], the SwiGLU kernel
+skips the rest, and outputs and gradients never depend on the tail.
 
-Weights use Megatron's per-expert nn.Linear layout, stacked: fc1 [L, 2F, H] (gate rows then
-up rows), fc2 [L, H, F]. The GEMMs take transposed views (free), and checkpoints interchange
-with SequentialMLP / TEGroupedMLP without copies (`sharded_state_dict` uses their keys).
+Variants (docs/design.md, "Experts"): every `activation_func` Megatron's experts take, gated or
+not, with `activation_func_clamp_value`/`glu_linear_offset` (moe/expert_activation.py); fc1 and
+fc2 biases (`add_bias_linear`), the fc2 bias weighted by the router probability like
+SequentialMLP's; `moe_apply_probs_on_input`; bf16, fp16 and fp32; any hidden and FFN size
+(moe/expert_padding.py). The fast path (SwiGLU, no biases, 16-byte aligned sizes) is the
+original three kernels and nothing else.
+
+Weights use Megatron's per-expert nn.Linear layout, stacked: fc1 [L, gF, H] (gated: gate rows
+then up rows, g = 2), fc2 [L, H, F], biases [L, gF] and [L, H]. The GEMMs take transposed views
+(free), and checkpoints interchange with SequentialMLP / TEGroupedMLP (moe/expert_checkpoint.py).
 Written against megatron-core 0.19.2.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 
 import torch
 
 from megatron_ext.kernels.swiglu import swiglu_valid_prefix
+from megatron_ext.moe.expert_activation import ExpertActivation
+from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, sharded_state_dict
+from megatron_ext.moe.expert_padding import GemmPadding
+from megatron_ext.moe.expert_rows import row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, payload_fc1
-from megatron_ext.rules import ExpertSettings, expert_problems
+from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems
+
+PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def counts_to_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
@@ -44,8 +56,9 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
     """Megatron experts module (ExpertsInterface) on `torch._grouped_mm` with device offsets.
 
     forward(hidden [rows, H], tokens_per_expert [L] counts, permuted_probs [rows] | None)
-    returns (output [rows, H], None). Probabilities, when given, scale the SwiGLU output per
-    row as Megatron's experts do; the rowwise dispatcher passes None and weights in combine.
+    returns (output [rows, H], None). Probabilities, when given, scale the activation output
+    and the fc2 bias per row as Megatron's experts do (or the input rows, with
+    moe_apply_probs_on_input); the rowwise dispatcher passes None and weights in combine.
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
@@ -60,18 +73,38 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         pg_collection = pg_collection or get_default_pg_collection()
         self.ep_group = pg_collection.ep
         self.expert_dp_group = pg_collection.expt_dp
-        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        # Megatron's experts read and write moe_latent_size columns when it is set (MLP, is_expert).
+        self.hidden_size = hidden = config.moe_latent_size or config.hidden_size
+        ffn = config.moe_ffn_hidden_size
+        self.activation = ExpertActivation.from_config(config)
         device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
-        self.fc1_weight = torch.nn.Parameter(
-            torch.empty(num_local_experts, 2 * ffn, hidden, dtype=config.params_dtype, device=device))
-        self.fc2_weight = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden, ffn, dtype=config.params_dtype, device=device))
+
+        def parameter(*shape):
+            return torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=device))
+
+        fc1_rows, bias = self.activation.width_factor * ffn, config.add_bias_linear
+        self.fc1_weight = parameter(num_local_experts, fc1_rows, hidden)
+        self.fc2_weight = parameter(num_local_experts, hidden, ffn)
+        self.register_parameter("fc1_bias", parameter(num_local_experts, fc1_rows) if bias else None)
+        self.register_parameter("fc2_bias", parameter(num_local_experts, hidden) if bias else None)
+        self.padding = GemmPadding.needed(hidden, ffn, config.params_dtype, self.activation.gated)
+        self.fast_path = self.activation.plain_swiglu and not bias and self.padding is None
         self._init_weights(pg_collection)
-        self._register_load_state_dict_pre_hook(_load_sequential_mlp_layout, with_module=True)
+        self._register_load_state_dict_pre_hook(load_sequential_mlp_layout, with_module=True)
+
+    @staticmethod
+    def unsupported(config) -> list[str]:
+        """Why these experts cannot serve `config` where Megatron's experts can (empty: they can).
+        With dispatcher="megatron" the MoE layer builds Megatron's experts instead (specs.moe_builder)."""
+        problems = expert_problems(ExpertSettings.from_config(config))
+        if config.params_dtype not in PARAM_DTYPES:
+            problems.append(f"params_dtype={config.params_dtype}: the grouped experts run bf16 (--bf16), fp16 "
+                            f"(--fp16) or fp32 (neither flag) parameters")
+        return problems
 
     @staticmethod
     def _check_config(config) -> None:
-        problems = expert_problems(ExpertSettings.from_config(config))
+        problems = moe_problems(ExpertSettings.from_config(config)) + DeviceOffsetGroupedMLP.unsupported(config)
         if problems:
             raise ValueError("DeviceOffsetGroupedMLP cannot run with:\n  - " + "\n  - ".join(problems))
 
@@ -82,8 +115,11 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         # differs from TP) so its DDP puts them in the expert buffers, reduced over expert-DP.
         sharded = self.ep_group.size() > 1 or (self.config.expert_tensor_parallel_size or 1) != (
             self.config.tensor_model_parallel_size)
-        for weight, init in ((self.fc1_weight, self.config.init_method),
-                             (self.fc2_weight, self.config.output_layer_init_method)):
+        zero = torch.nn.init.zeros_  # Megatron always initializes linear biases to zero
+        for weight, init in ((self.fc1_weight, self.config.init_method), (self.fc1_bias, zero),
+                             (self.fc2_weight, self.config.output_layer_init_method), (self.fc2_bias, zero)):
+            if weight is None:
+                continue
             weight.allreduce = not sharded
             weight.tensor_model_parallel = False
             weight.partition_dim = -1
@@ -98,8 +134,8 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                     init(expert_weight)
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert, permuted_probs=None, **unused_kwargs):
-        if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
-            raise ValueError(f"expected hidden [rows, {self.config.hidden_size}], got {tuple(hidden.shape)}")
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"expected hidden [rows, {self.hidden_size}], got {tuple(hidden.shape)}")
         if hidden.dtype != self.fc1_weight.dtype:
             raise TypeError(f"hidden dtype {hidden.dtype} differs from expert weights {self.fc1_weight.dtype}; "
                             f"cast the input or build the experts with params_dtype={hidden.dtype}")
@@ -115,17 +151,42 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         `payload` (an MXFP8Payload) replaces `hidden`'s values in fc1; `hidden` keeps the gradient edge."""
         self._check_offsets(offsets, hidden)
         if probs is not None:
-            if self.config.moe_apply_probs_on_input:
-                hidden = hidden * probs[:, None].to(hidden.dtype)
+            if self.config.moe_apply_probs_on_input:  # as SequentialMLP: (p * x).to(x.dtype), then p = 1
+                hidden = (probs.reshape(-1, 1) * hidden).to(hidden.dtype)
                 probs = None
             else:
                 probs = probs.reshape(-1).float()
+        if not self.fast_path:
+            return self._forward_any(hidden, offsets, probs, payload)
         if payload is not None:
             fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload)
         else:
             fc1_out = torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offsets)
         act = swiglu_valid_prefix(fc1_out, offsets[-1], probs)
         return torch._grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offsets)
+
+    def _forward_any(self, hidden, offsets, probs, payload):
+        """Every other variant: padding for odd sizes, biases, any activation (module docstring)."""
+        fc1, fc2, fc1_bias, fc2_bias = self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias
+        if self.padding is not None:
+            hidden, fc1, fc2, fc1_bias, fc2_bias = self.padding.pad(hidden, fc1, fc2, fc1_bias, fc2_bias)
+        if payload is not None:
+            h = payload_fc1(hidden, fc1, offsets, payload)
+        else:
+            h = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offsets)
+        valid_rows, rows = offsets[-1], h.shape[0]
+        if probs is not None:  # tail probabilities (never read) get a defined, zero gradient
+            probs = torch.where(valid_row_mask(valid_rows, rows), probs, 0)
+        if fc1_bias is not None:  # add_bias_linear: fc1 and fc2 biases come together
+            experts = row_experts(offsets, rows)
+            h = h + row_bias(fc1_bias, offsets, experts)
+        out = torch._grouped_mm(self.activation(h, valid_rows, probs), fc2.transpose(1, 2), offs=offsets)
+        if fc2_bias is not None:  # as SequentialMLP's MLP.forward: output += bias * per_token_scale
+            bias = row_bias(fc2_bias, offsets, experts)
+            if probs is not None:
+                bias = bias * probs[:, None]
+            out = (out + bias).to(out.dtype)
+        return out if self.padding is None else self.padding.unpad_rows(out)
 
     def _check_offsets(self, offsets: torch.Tensor, hidden: torch.Tensor) -> None:
         if offsets.dtype != torch.int32:
@@ -146,46 +207,5 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         """Weight gradients are computed in the main backward (no delayed wgrad)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """Same global keys and shapes as SequentialMLP's: `{prefix}experts.linear_fc{1,2}.weight`
-        of global shape [E, out, in], this rank holding experts [ep_rank*L, (ep_rank+1)*L)."""
-        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-        ep_rank, ep_size = self.ep_group.rank(), self.ep_group.size()
-        expert_axis = (len(sharded_offsets), ep_rank, ep_size)
-        replica_id = (0, 0, self.expert_dp_group.rank())
-        result = {}
-        for local_name, global_name in (("fc1_weight", "linear_fc1"), ("fc2_weight", "linear_fc2")):
-            result[f"{prefix}{local_name}"] = ShardedTensor.from_rank_offsets(
-                f"{prefix}experts.{global_name}.weight", getattr(self, local_name), *sharded_offsets,
-                expert_axis, replica_id=replica_id, prepend_axis_num=len(sharded_offsets))
-            # SequentialMLP's linears also save an (empty) extra state per expert; write the same
-            # objects so a SequentialMLP can load this checkpoint.
-            for local_idx in range(self.num_local_experts):
-                global_idx = ep_rank * self.num_local_experts + local_idx
-                result[f"{prefix}local_experts.{local_idx}.{global_name}._extra_state"] = ShardedObject(
-                    f"{prefix}experts.{global_name}._extra_state", None,
-                    (*(o[2] for o in sharded_offsets), ep_size * self.num_local_experts),
-                    (*(o[1] for o in sharded_offsets), global_idx), replica_id=replica_id)
-        return result
-
-
-_SEQUENTIAL_KEY = re.compile(r"^local_experts\.(?P<idx>\d+)\.linear_fc(?P<fc>[12])\.(?P<kind>weight|_extra_state)$")
-
-
-def _load_sequential_mlp_layout(module, state_dict, prefix, *args, **kwargs):
-    """Accept a plain (torch-format) SequentialMLP state dict: stack local_experts.i weights."""
-    found: dict[str, dict[int, torch.Tensor]] = {"1": {}, "2": {}}
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        match = _SEQUENTIAL_KEY.match(key[len(prefix):])
-        if match and match["kind"] == "_extra_state":
-            state_dict.pop(key)  # local linears keep no extra state
-        elif match:
-            found[match["fc"]][int(match["idx"])] = state_dict.pop(key)
-    for fc, tensors in found.items():
-        if not tensors:
-            continue
-        if sorted(tensors) != list(range(module.num_local_experts)):
-            raise ValueError(f"SequentialMLP checkpoint has experts {sorted(tensors)} for linear_fc{fc}; "
-                             f"this module holds {module.num_local_experts} local experts")
-        state_dict[f"{prefix}fc{fc}_weight"] = torch.stack([tensors[i] for i in range(module.num_local_experts)])
-
+        """SequentialMLP's global keys and shapes (moe/expert_checkpoint.py)."""
+        return sharded_state_dict(self, prefix, sharded_offsets)

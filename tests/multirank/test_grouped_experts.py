@@ -105,8 +105,14 @@ def _errors_rank(rank, world):
         checked.forward_offsets(x, torch.tensor([5, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="expert-tensor-parallel-size 1"):
         DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, etp=2, tp=1))
-    with pytest.raises(ValueError, match="SwiGLU"):
-        DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, gated_linear_unit=False))
+    with pytest.raises(ValueError, match=r"moe_mlp_glu_interleave_size=32 \(--moe-mlp-glu-interleave-size 32\)"):
+        DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, moe_mlp_glu_interleave_size=32))
+    with pytest.raises(ValueError, match=r"params_dtype=torch.float64: .*--bf16"):
+        DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, dtype=torch.float64))
+    needs_top1 = (r"moe_apply_probs_on_input \(--moe-apply-probs-on-input\) needs moe_router_topk=1 "
+                  r"\(--moe-router-topk 1\)")
+    with pytest.raises(ValueError, match=needs_top1):
+        DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, moe_apply_probs_on_input=True))
 
 
 def test_bad_inputs_are_clear_errors():

@@ -27,6 +27,15 @@ def _errors_rank(rank, world):
         build(moe_config(experts=4, ep=2, moe_expert_capacity_factor=1.0))
     with pytest.raises(ValueError, match="expert-tensor-parallel-size 1"):
         build(moe_config(experts=4, ep=2, etp=2))
+    # What still cannot run names the setting to change (every activation, bias, dtype and size runs: issue 21).
+    with pytest.raises(ValueError, match=r"moe_mlp_glu_interleave_size=8 \(--moe-mlp-glu-interleave-size 8\)"):
+        build(moe_config(experts=4, ep=2, moe_mlp_glu_interleave_size=8))
+    with pytest.raises(ValueError, match=r"moe_apply_probs_on_input \(--moe-apply-probs-on-input\) needs "
+                                         r"moe_router_topk=1 \(--moe-router-topk 1\)"):
+        build(moe_config(experts=4, ep=2, moe_apply_probs_on_input=True))
+    for variant in (dict(gated_linear_unit=False, activation_func=torch.nn.functional.gelu, add_bias_linear=True),
+                    dict(add_bias_linear=True, hidden=12, ffn=5, dtype=torch.float16)):
+        build(moe_config(experts=4, ep=2, **variant))  # Megatron's GELU default with biases; odd sizes in fp16
     with pytest.raises(ValueError, match="unknown row transport"):
         MoEExtConfig(transport="carrier-pigeon")
     with pytest.raises(ValueError, match="Use --moe-ext-transport torch on CPU"):

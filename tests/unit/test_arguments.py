@@ -93,8 +93,11 @@ def _parse(parser, argv):
     (["--num-experts", "6", "--swiglu", "--disable-bias-linear", "--expert-model-parallel-size", "4"],
      ["--num-experts 6", "--expert-model-parallel-size 4"]),
     (MOE_MODEL + ["--moe-ext-mxfp8-dispatch", "--hidden-size", "100"], ["--moe-ext-mxfp8-dispatch", "--hidden-size 100"]),
-    (["--num-experts", "8", "--disable-bias-linear"], ["--num-experts 8", "--swiglu"]),
-    (["--num-experts", "8", "--swiglu"], ["--num-experts 8", "--disable-bias-linear"]),
+    (MOE_MODEL + ["--moe-mlp-glu-interleave-size", "8"],
+     ["--moe-mlp-glu-interleave-size 8", "--moe-ext-dispatcher rowwise", "--moe-ext-dispatcher megatron"]),
+    (MOE_MODEL + ["--moe-apply-probs-on-input"], ["--moe-apply-probs-on-input", "--moe-router-topk 1"]),
+    (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-apply-probs-on-input"],
+     ["--moe-apply-probs-on-input", "--moe-router-topk 1"]),
     (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-mxfp8-dispatch"],
      ["--moe-ext-mxfp8-dispatch", "--moe-ext-dispatcher megatron"]),
     (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-cuda-graphs"],
@@ -119,7 +122,8 @@ def test_all_problems_are_listed_at_once(megatron_parser):
     with pytest.raises(MoEExtArgumentError) as error:
         validate_against_megatron(args)
     message = str(error.value)
-    assert "--swiglu" in message and "--disable-bias-linear" in message and "--moe-expert-capacity-factor" in message
+    assert "--transformer-impl transformer_engine" in message and "--moe-expert-capacity-factor" in message
+    assert "--swiglu" not in message and "--disable-bias-linear" not in message  # every expert variant runs
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -140,6 +144,16 @@ def test_bad_single_values_name_their_flag(megatron_parser, argv, flag):
     MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-expert-capacity-factor", "1.0",
                  "--moe-token-dispatcher-type", "flex"],
     ["--moe-expert-capacity-factor", "1.0"],  # dense model: nothing to check
+    # Every expert variant Megatron builds (issue 21): its defaults (GELU, biases), squared ReLU, GEGLU,
+    # clamped quick-GEGLU with an offset, probabilities on the input (top-1), odd sizes.
+    ["--num-experts", "8", "--transformer-impl", "local", "--no-persist-layer-norm"],
+    ["--num-experts", "8", "--squared-relu", "--disable-bias-linear", "--transformer-impl", "local",
+     "--no-persist-layer-norm"],
+    ["--num-experts", "8", "--quick-geglu", "--activation-func-clamp-value", "7.0", "--glu-linear-offset", "1.0",
+     "--transformer-impl", "local", "--no-persist-layer-norm", "--hidden-size", "12", "--fp16"],
+    MOE_MODEL + ["--moe-apply-probs-on-input", "--moe-router-topk", "1", "--moe-router-pre-softmax"],
+    # What the grouped experts cannot serve falls back to Megatron's experts under its dispatcher.
+    MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-mlp-glu-interleave-size", "8"],
 ])
 def test_valid_combinations_pass(megatron_parser, argv):
     validate_against_megatron(_parse(megatron_parser, argv))

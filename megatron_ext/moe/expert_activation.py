@@ -1,0 +1,78 @@
+"""The experts' activation between fc1 and fc2, for every variant Megatron's experts compute.
+
+Megatron-Core 0.19.2 (`transformer/mlp.py`, the unfused path of `MLP.forward`, which
+SequentialMLP runs; TEGroupedMLP's `bias_act_func` is the same) computes, on fc1's output plus
+its bias:
+
+    gated:     x_glu, x_linear = chunk(x, 2, dim=-1)          # fc1 rows: gate first, then up
+               if activation_func_clamp_value c is not None:
+                   x_glu = x_glu.clamp(max=c); x_linear = x_linear.clamp(-c, c)
+               y = activation_func(x_glu) * (x_linear + glu_linear_offset)
+    otherwise: y = activation_func(x)
+    then, with router probabilities p (per row): y = (y * p).to(y.dtype)
+
+SwiGLU (silu, no clamp, no offset) runs in the tail-aware Triton kernel (kernels/swiglu.py),
+which skips rows past the last offset. Everything else (GELU, squared ReLU, GEGLU, clamped
+quick-GEGLU, any elementwise callable) runs that formula in torch, op for op, over the whole
+buffer: without a host read torch cannot stop at a device row count. Tail rows of fc1's output
+were never written by the GEMM and nothing reads their activations or gradients (fc2 and the
+backward GEMMs stop at the last offset), so results do not depend on them; the caller zeroes
+the probabilities of tail rows so their gradient is defined (zero), as the kernel's is. Cost
+accepted: (cf - 1) / cf extra elementwise work on capacity buffers (none under Megatron's
+dispatchers, whose buffers have no tail).
+`bias_activation_fusion` only picks Megatron's fused kernels, which its experts accept for
+SwiGLU and quick-GEGLU and which compute the same formula; it is ignored here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.kernels.swiglu import swiglu_valid_prefix
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    func: Callable[[torch.Tensor], torch.Tensor]
+    gated: bool
+    clamp: float | None = None
+    offset: float = 0.0
+
+    @staticmethod
+    def from_config(config) -> "ExpertActivation":
+        return ExpertActivation(func=config.activation_func, gated=bool(config.gated_linear_unit),
+                                clamp=config.activation_func_clamp_value, offset=float(config.glu_linear_offset))
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """silu(gate) * up: the Triton kernel's formula."""
+        return self.gated and self.func is F.silu and self.clamp is None and self.offset == 0.0
+
+    @property
+    def width_factor(self) -> int:
+        """fc1 rows per FFN channel: 2 when gated (gate and up), else 1."""
+        return 2 if self.gated else 1
+
+    def __call__(self, h: torch.Tensor, valid_rows: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """Activation of fc1's output `h` [rows, width_factor * F] (bias already added), times
+        `probs` [rows] fp32 when given; only rows < valid_rows (a device scalar) are meaningful."""
+        if self.plain_swiglu:
+            return swiglu_valid_prefix(h, valid_rows, probs)
+        return self._torch(h, probs)
+
+    def _torch(self, x, probs):
+        if self.gated:
+            x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+            if self.clamp is not None:
+                x_glu = x_glu.clamp(min=None, max=self.clamp)
+                x_linear = x_linear.clamp(min=-self.clamp, max=self.clamp)
+            y = self.func(x_glu) * (x_linear + self.offset)
+        else:
+            y = self.func(x)
+        if probs is not None:
+            y = (y * probs[:, None]).to(y.dtype)
+        return y

@@ -1,0 +1,257 @@
+"""DeviceOffsetGroupedMLP for every expert variant Megatron builds (issue 21), against Megatron's
+SequentialMLP on the same weights: activations (gated or not, clamped, offset), fc1/fc2 biases,
+probabilities on the input, bf16/fp16/fp32, odd hidden and FFN sizes; capacity tails poisoned;
+under Megatron's alltoall dispatcher and the rowwise one at EP 1 and 2; checkpoints both ways;
+and the refusals / fallback where a configuration still cannot run.
+"""
+
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from megatron_ext.specs import moe_builder
+from megatron_ext.testing.expert_variants import (ExpertParams, expert_param_grads, expert_params_of,
+                                                  load_expert_params, sequential_mlp, variant_config, variants)
+from megatron_ext.testing.megatron_moe import megatron_moe_layer, rank_tokens
+from megatron_ext.testing.reference import MoEWeights, assert_close
+
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+SHAPES = [(32, 16), (12, 5)]  # aligned; odd hidden and FFN sizes (padded internally)
+POISON = {torch.float32: 1e30, torch.bfloat16: 1e30, torch.float16: 6e4}
+
+
+def _run_module(module, x, counts, probs, grad_out, valid=None):
+    """Forward+backward; returns (out, x grad, prob grad) on the valid rows and the parameter grads."""
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    probs = probs.clone().requires_grad_(True)
+    if valid is None:
+        out, bias = module(x, counts, probs)
+        assert bias is None, "experts must add their fc2 bias themselves (MoELayer asserts mlp_bias is None)"
+        valid = x.shape[0]
+    else:
+        out = module.forward_offsets(x, torch.cumsum(counts, 0).to(torch.int32), probs)
+    out.backward(grad_out)
+    if valid < x.shape[0] and not module.config.moe_apply_probs_on_input:
+        assert torch.count_nonzero(probs.grad[valid:]) == 0, "tail rows got a probability gradient"
+    return (out[:valid].detach().clone(), x.grad[:valid].clone(), probs.grad[:valid].clone()), \
+        expert_param_grads(module)
+
+
+def _module_rank(rank, world, dtype):
+    torch.manual_seed(5)
+    rtol, experts, counts = RTOL[dtype], 4, torch.tensor([7, 0, 12, 9])  # an empty expert
+    valid, capacity = int(counts.sum()), 40
+    checked = []
+    for hidden, ffn in SHAPES:
+        x = torch.randn(capacity, hidden).to(dtype)
+        probs = torch.rand(capacity) + 0.1
+        grad_out = torch.randn(capacity, hidden).to(dtype)
+        for name in variants():
+            config = variant_config(name, hidden=hidden, ffn=ffn, experts=experts, dtype=dtype)
+            params = ExpertParams.random(config, seed=11)
+            reference, grouped = sequential_mlp(experts, config), DeviceOffsetGroupedMLP(experts, config)
+            load_expert_params(reference, params)
+            load_expert_params(grouped, params)
+            case = f"{name} {dtype} H={hidden} F={ffn}"
+            assert {k: tuple(v.shape) for k, v in expert_params_of(grouped).items()} == \
+                {k: tuple(v.shape) for k, v in params.named().items()}, f"{case}: padding reached the parameters"
+            want, want_grads = _run_module(reference, x[:valid], counts, probs[:valid], grad_out[:valid])
+            runs = []
+            for tail in (float("nan"), POISON[dtype]):
+                poisoned = [t.clone() for t in (x, probs, grad_out)]
+                for t in poisoned:
+                    t[valid:] = tail
+                runs.append(_run_module(grouped, poisoned[0], counts, poisoned[1], poisoned[2], valid=valid))
+            (got, got_grads), (again, again_grads) = runs
+            for what, a, b, c in zip(("output", "input grad", "prob grad"), got, again, want):
+                assert torch.isfinite(a.float()).all(), f"{case}: {what} picked up the NaN tail"
+                assert torch.equal(a, b), f"{case}: {what} depends on capacity-tail contents"
+                assert_close(a, c, rtol, f"{case}: {what} vs SequentialMLP")
+            assert sorted(got_grads) == sorted(want_grads), case
+            for what in want_grads:
+                assert torch.isfinite(got_grads[what].float()).all(), f"{case}: {what} grad picked up the NaN tail"
+                assert torch.equal(got_grads[what], again_grads[what]), f"{case}: {what} grad depends on the tail"
+                assert_close(got_grads[what], want_grads[what], 2 * rtol, f"{case}: {what} grad vs SequentialMLP")
+                assert torch.count_nonzero(got_grads[what][1]) == 0, f"{case}: the empty expert got a {what} grad"
+            checked.append((name, hidden, grouped.fast_path))
+    return checked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_variant_matches_sequential_mlp_on_capacity_buffers(dtype):
+    checked = run_on_ranks(_module_rank, 1, dtype, sizes=ParallelSizes())[0]
+    assert len(checked) == len(variants()) * len(SHAPES)
+    # The fast path (the original three kernels) is taken exactly for SwiGLU without biases at aligned sizes.
+    assert [c for c in checked if c[2]] == [("swiglu", 32, True)]
+
+
+def _layers(config):
+    """(Megatron's MoELayer with SequentialMLP, the same with the grouped experts, the rowwise layer)."""
+    reference = megatron_moe_layer(config)
+    reference.experts = sequential_mlp(reference.num_local_experts, config)  # trainable_reference_config
+    swapped = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
+    rowwise = moe_builder(MoEExtConfig(transport="torch", dropless=True))(config=config)
+    return reference, swapped, rowwise
+
+
+def _layer_rank(rank, world, dtype, names):
+    from megatron.core import parallel_state
+
+    rtol, experts, tokens = 2 * RTOL[dtype], 8, 10
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    for hidden, ffn in SHAPES:
+        x, grad_out = rank_tokens(rank, tokens, hidden, dtype)
+        for name in names:
+            config = variant_config(name, hidden=hidden, ffn=ffn, experts=experts, ep=ep, dtype=dtype)
+            params = ExpertParams.random(config, seed=21)
+            router = MoEWeights.random(experts, hidden, ffn, seed=22, dtype=dtype).router
+            results, layers = [], _layers(config)
+            with torch.no_grad():
+                layers[0].router.weight.copy_(router)
+            for layer in layers:
+                layer.router.load_state_dict(layers[0].router.state_dict())  # with add_bias_linear, its bias too
+                load_expert_params(layer.experts, params, layer.local_expert_indices[0])
+                x_in = x.clone().view(tokens, 1, hidden).requires_grad_(True)
+                out, _ = layer(x_in)
+                out.backward(grad_out.view_as(out))
+                results.append(dict(output=out.detach().view(tokens, hidden), input_grad=x_in.grad.view(tokens, hidden),
+                                    router_grad=layer.router.weight.grad, **expert_param_grads(layer.experts)))
+            reference, swapped, rowwise = results
+            for label, got in (("alltoall + grouped experts", swapped), ("rowwise", rowwise)):
+                assert sorted(got) == sorted(reference)
+                for what, want in reference.items():
+                    assert_close(got[what], want, rtol, f"rank {rank} EP {ep} {name} {dtype} H={hidden} F={ffn}: "
+                                                        f"{label} {what} vs Megatron's SequentialMLP layer")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [1, 2])
+def test_layers_match_megatrons_for_every_variant(world, dtype):
+    run_on_ranks(_layer_rank, world, dtype, list(variants()), sizes=ParallelSizes(ep=world))
+
+
+CHECKPOINT_VARIANTS = ["swiglu_bias", "gelu", "gelu_bias", "squared_relu", "geglu_bias", "quick_geglu_clamped"]
+
+
+def _checkpoint_rank(rank, world, ckpt_root, direction):
+    from megatron.core import dist_checkpointing
+
+    experts_total, local = 4, 4 // world
+    for name in CHECKPOINT_VARIANTS:
+        for hidden, ffn in SHAPES:
+            config = variant_config(name, hidden=hidden, ffn=ffn, experts=experts_total, ep=world)
+            reference, grouped = sequential_mlp(local, config), DeviceOffsetGroupedMLP(local, config)
+            params = ExpertParams.random(config, seed=31)
+            source, target = (reference, grouped) if direction == "sequential_to_grouped" else (grouped, reference)
+            load_expert_params(source, params, rank * local)
+            with torch.no_grad():
+                for p in target.parameters():
+                    p.fill_(0.123)
+            ckpt_dir = os.path.join(ckpt_root, f"{name}_{hidden}")
+            if rank == 0:
+                os.makedirs(ckpt_dir)
+            torch.distributed.barrier()
+            dist_checkpointing.save(source.sharded_state_dict(prefix="mlp.experts."), ckpt_dir)
+            loaded = dist_checkpointing.load(target.sharded_state_dict(prefix="mlp.experts."), ckpt_dir)
+            target.load_state_dict({k[len("mlp.experts."):]: v for k, v in loaded.items()})
+            for what, tensor in expert_params_of(target).items():
+                want = params.named()[what][rank * local:(rank + 1) * local]
+                assert torch.equal(tensor, want), f"rank {rank} {name} {direction}: {what} not restored"
+            x = torch.randn(10, hidden, generator=torch.Generator().manual_seed(rank))
+            counts, probs = torch.tensor([4, 6] if local == 2 else [2, 3, 1, 4]), torch.rand(10)
+            assert_close(grouped(x, counts, probs)[0], reference(x, counts, probs)[0], 1e-5,
+                         f"rank {rank} {name} {direction} output")
+
+
+@pytest.mark.parametrize("direction", ["sequential_to_grouped", "grouped_to_sequential"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpoints_of_every_variant_interchange_with_sequential_mlp(world, direction):
+    with tempfile.TemporaryDirectory() as ckpt_root:
+        run_on_ranks(_checkpoint_rank, world, ckpt_root, direction, sizes=ParallelSizes(ep=world))
+
+
+def _plain_state_dict_rank(rank, world):
+    # The last case: moe_latent_size, where Megatron's experts read and write latent-size rows.
+    for name, width, extra in (("gelu_bias", 12, {}), ("quick_geglu_clamped", 12, {}),
+                               ("geglu_bias", 24, dict(moe_latent_size=24))):
+        config = variant_config(name, hidden=12, ffn=5, experts=2, **extra)
+        reference, grouped = sequential_mlp(2, config), DeviceOffsetGroupedMLP(2, config)
+        load_expert_params(reference, ExpertParams.random(config, seed=41))
+        grouped.load_state_dict(reference.state_dict())
+        x, counts, probs = torch.randn(6, width), torch.tensor([2, 4]), torch.rand(6)
+        assert_close(grouped(x, counts, probs)[0], reference(x, counts, probs)[0], 1e-5, f"{name} torch-format load")
+
+
+def test_loads_plain_sequential_mlp_state_dicts_with_biases():
+    run_on_ranks(_plain_state_dict_rank, 1, sizes=ParallelSizes())
+
+
+def _fallback_rank(rank, world):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_ext.specs").addHandler(handler)
+    interleaved = variant_config("swiglu", experts=4, moe_mlp_glu_interleave_size=8)
+    for _ in range(2):  # one logged line, however many layers fall back
+        layer = moe_builder(MoEExtConfig(dispatcher="megatron"))(config=interleaved)
+        assert isinstance(layer.experts, SequentialMLP), type(layer.experts)
+    assert len(records) == 1 and "moe_mlp_glu_interleave_size=8" in records[0].getMessage(), \
+        [r.getMessage() for r in records]
+    layer = moe_builder(MoEExtConfig(dispatcher="megatron"))(config=variant_config("gelu_bias", experts=4))
+    assert isinstance(layer.experts, DeviceOffsetGroupedMLP), "a supported variant must keep the grouped experts"
+    with pytest.raises(ValueError, match=r"moe_mlp_glu_interleave_size=8 \(--moe-mlp-glu-interleave-size 8\).*drop it"):
+        moe_builder(MoEExtConfig(transport="torch"))(config=interleaved)
+
+
+def test_megatron_dispatcher_falls_back_to_megatrons_experts_with_one_line():
+    run_on_ranks(_fallback_rank, 1, sizes=ParallelSizes())
+
+
+def _etp_fallback_rank(rank, world):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    config = variant_config("gelu", experts=4, etp=2)
+    assert isinstance(moe_builder(MoEExtConfig(dispatcher="megatron"))(config=config).experts, SequentialMLP)
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 1"):
+        moe_builder(MoEExtConfig(transport="torch"))(config=config)
+
+
+def test_expert_tensor_parallelism_falls_back_under_megatrons_dispatcher():
+    run_on_ranks(_etp_fallback_rank, 2, sizes=ParallelSizes(etp=2))
+
+
+def _mxfp8_rank(rank, world):
+    """MXFP8 dispatch payloads feed every variant's fc1 (odd FFN size: padded weights) like BF16 rows."""
+    experts, tokens, hidden = 8, 24, 64
+    x, grad_out = rank_tokens(rank, tokens, hidden)
+    for name in ("gelu_bias", "geglu_bias", "squared_relu"):  # (a clamp turns quantization noise into kinks)
+        config = variant_config(name, hidden=hidden, ffn=21, experts=experts, ep=world)
+        params = ExpertParams.random(config, seed=51)
+        results = []
+        for mxfp8_dispatch in (False, True):
+            layer = moe_builder(MoEExtConfig(transport="torch", mxfp8_dispatch=mxfp8_dispatch))(config=config)
+            with torch.no_grad():
+                layer.router.weight.copy_(MoEWeights.random(experts, hidden, 21, seed=52).router)
+                if layer.router.bias is not None:
+                    layer.router.bias.zero_()
+            load_expert_params(layer.experts, params, layer.local_expert_indices[0])
+            x_in = x.clone().view(tokens, 1, hidden).requires_grad_(True)
+            out, _ = layer(x_in)
+            out.backward(grad_out.view_as(out))
+            results.append(dict(output=out.detach(), input_grad=x_in.grad, **expert_param_grads(layer.experts)))
+        assert not torch.equal(results[0]["output"], results[1]["output"]), "the quantizer did not run"
+        for what, want in results[0].items():  # the format's error bound (tests/multirank/test_mxfp8_dispatch.py)
+            assert_close(results[1][what], want, 0.08, f"rank {rank} {name} MXFP8 vs BF16 {what}")
+
+
+def test_mxfp8_dispatch_feeds_every_variant():
+    run_on_ranks(_mxfp8_rank, 2, sizes=ParallelSizes(ep=2))
