@@ -12,6 +12,11 @@ forward+backward and forward ms (CUDA events), host submission ms, model TFLOP/s
 rows only), peak memory, top kernels and host syncs (torch.profiler). (a) and (b) are
 checked for bf16 parity (outputs and every gradient), (c) against (b) on the valid rows.
 
+Variants (`--variants`, issue 21): `swiglu` (the fast path: gated SiLU, no biases), `gelu`
+(Megatron's default non-gated GELU expert) and `swiglu_bias` (gated SiLU with fc1/fc2 biases, the
+fc2 bias weighted by the router probability); each against SequentialMLP built from the same
+config and weights.
+
 Shapes: `reference` = 8192 tokens, 64 experts, top-8 (65536 rows), hidden 2048, ffn 1024;
 `ep8_rank` = one EP8 rank of 128 experts (16 local) with 4 x 4096 tokens top-8, the routes
 that land on this rank's experts (about 16384 rows), same hidden/ffn; `tiny` for a quick
@@ -38,6 +43,7 @@ from megatron_ext.bench.kernel_profile import profile_kernels
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median, peak_memory
 from megatron_ext.bench.repo_paths import RESULTS_DIR
 from megatron_ext.bench.results import write_result
+from megatron_ext.testing.expert_variants import trainable_reference_config
 from megatron_ext.testing.megatron_moe import moe_config
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
@@ -100,19 +106,39 @@ def route_tokens(shape: Shape, seed: int = 0) -> Routed:
                   counts_device=counts, grad_out=grad_out)
 
 
-def random_weights(shape: Shape, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Megatron layout, bf16: fc1 [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F]."""
+VARIANTS = {
+    "swiglu": {},
+    "gelu": {"gated_linear_unit": False, "activation_func": torch.nn.functional.gelu},
+    "swiglu_bias": {"add_bias_linear": True},
+}
+
+
+def random_weights(shape: Shape, gated: bool = True, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron layout, bf16: fc1 [L, 2F, H] (gate rows, then up rows; [L, F, H] non-gated), fc2 [L, H, F]."""
     gen = torch.Generator(device=device()).manual_seed(seed)
     L, H, F = shape.local_experts, shape.hidden, shape.ffn
-    fc1 = torch.randn(L, 2 * F, H, device=device(), generator=gen) * H ** -0.5
+    fc1 = torch.randn(L, (2 if gated else 1) * F, H, device=device(), generator=gen) * H ** -0.5
     fc2 = torch.randn(L, H, F, device=device(), generator=gen) * F ** -0.5
     return fc1.to(torch.bfloat16), fc2.to(torch.bfloat16)
 
 
-def expert_config(shape: Shape):
+def expert_config(shape: Shape, **variant):
     return moe_config(hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts, topk=shape.topk,
                       dtype=torch.bfloat16, use_cpu_initialization=not torch.cuda.is_available(),
-                      perform_initialization=False)
+                      perform_initialization=False, **variant)
+
+
+@torch.no_grad()
+def set_random_biases(sequential, grouped, shape: Shape, seed: int = 2) -> None:
+    """The same random fc1/fc2 biases in both modules (Megatron initializes them to zero)."""
+    if grouped.fc1_bias is None:
+        return
+    gen = torch.Generator(device=device()).manual_seed(seed)
+    grouped.fc1_bias.copy_(torch.randn(grouped.fc1_bias.shape, device=device(), generator=gen) * 0.1)
+    grouped.fc2_bias.copy_(torch.randn(grouped.fc2_bias.shape, device=device(), generator=gen) * 0.1)
+    for i, expert in enumerate(sequential.local_experts):
+        expert.linear_fc1.bias.copy_(grouped.fc1_bias[i])
+        expert.linear_fc2.bias.copy_(grouped.fc2_bias[i])
 
 
 def build_sequential(shape: Shape, config, fc1: torch.Tensor, fc2: torch.Tensor):
@@ -235,17 +261,22 @@ def measure(path: ExpertPath, flops: int, warmup: int, iters: int) -> dict:
             "tflops": flops / step_ms / 1e9, "memory": memory, "profile": profile}
 
 
-def run_shape(shape: Shape, warmup: int, iters: int) -> tuple[dict, list[str]]:
+def run_shape(shape: Shape, warmup: int, iters: int, variant: str = "swiglu") -> tuple[dict, list[str]]:
     torch.manual_seed(0)
     routed = route_tokens(shape)
     rows = routed.rows.shape[0]
     counts = routed.counts_host
-    flops = moe_model_flops(rows, 1, shape.hidden, shape.ffn)
-    config = expert_config(shape)
-    fc1, fc2 = random_weights(shape)
-    sequential = make_path("sequential", build_sequential(shape, config, fc1, fc2), routed.rows, routed.probs,
-                           routed.counts_host, routed.grad_out)
+    config = expert_config(shape, **VARIANTS[variant])
+    gated = config.gated_linear_unit
+    flops = moe_model_flops(rows, 1, shape.hidden, shape.ffn, gated=gated)
+    fc1, fc2 = random_weights(shape, gated)
+    # Megatron 0.19.2's SequentialMLP cannot backpropagate through fc2's bias at EP=1 (an in-place
+    # add on a view): trainable_reference_config sidesteps it without changing the experts.
+    sequential_module = build_sequential(shape, trainable_reference_config(config), fc1, fc2)
     grouped_module = build_grouped(shape, config, fc1, fc2)
+    set_random_biases(sequential_module, grouped_module, shape)
+    sequential = make_path("sequential", sequential_module, routed.rows, routed.probs, routed.counts_host,
+                           routed.grad_out)
     grouped = make_path("grouped", grouped_module, routed.rows, routed.probs, routed.counts_device, routed.grad_out)
     capacity, valid = capacity_path(grouped_module, routed)
     del fc1, fc2
@@ -260,7 +291,7 @@ def run_shape(shape: Shape, warmup: int, iters: int) -> tuple[dict, list[str]]:
     for label, errors in (("grouped vs sequential", parity), ("capacity vs grouped", capacity_vs_grouped)):
         for key, err in errors.items():
             if not err <= PARITY_RTOL:  # also catches NaN
-                failures.append(f"{shape.name}: {label} {key} relative error {err:.3e} > {PARITY_RTOL}")
+                failures.append(f"{shape.name}/{variant}: {label} {key} relative error {err:.3e} > {PARITY_RTOL}")
 
     paths = {}
     for path in (sequential, grouped, capacity):
@@ -270,7 +301,7 @@ def run_shape(shape: Shape, warmup: int, iters: int) -> tuple[dict, list[str]]:
     for result in paths.values():
         result["pct_of_dense"] = 100.0 * result["tflops"] / dense["tflops"]
     result = {
-        "shape": asdict(shape), "routed_rows": rows, "capacity_rows": capacity.hidden.shape[0],
+        "variant": variant, "shape": asdict(shape), "routed_rows": rows, "capacity_rows": capacity.hidden.shape[0],
         "load_max_over_mean": float(counts.max() / counts.float().mean()), "empty_experts": int((counts == 0).sum()),
         "model_flops_fwd_bwd": flops, "dense_gemm": dense, "paths": paths,
         "speedup_grouped_over_sequential": paths["sequential"]["fwd_bwd_ms"] / paths["grouped"]["fwd_bwd_ms"],
@@ -319,6 +350,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="reference,ep8_rank",
                         help=f"comma-separated, from {sorted(SHAPES)} (default: reference,ep8_rank)")
+    parser.add_argument("--variants", default="swiglu",
+                        help=f"comma-separated expert variants, from {sorted(VARIANTS)} (default: swiglu)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per measurement (median)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations before each measurement")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where the JSON result goes")
@@ -326,6 +359,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; choose from {sorted(SHAPES)}")
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
     return args
 
 
@@ -335,8 +371,10 @@ def main(argv=None) -> int:
     init_single_rank_megatron()
     results, failures = {}, []
     for name in args.shapes.split(","):
-        results[name], shape_failures = run_shape(SHAPES[name], args.warmup, args.iters)
-        failures += shape_failures
+        for variant in args.variants.split(","):
+            key = name if variant == "swiglu" else f"{name}/{variant}"
+            results[key], shape_failures = run_shape(SHAPES[name], args.warmup, args.iters, variant)
+            failures += shape_failures
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print_table(results)

