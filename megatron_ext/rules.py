@@ -59,6 +59,16 @@ def rowwise_problems(settings) -> list[str]:
     """Why the rowwise dispatcher cannot run with `settings` (a TransformerConfig or Megatron's args)."""
     problems = [f"{rule.field}={getattr(settings, rule.field)!r} ({_spelled(rule.flag, getattr(settings, rule.field))}): "
                 f"{rule.why}; {rule.fix}" for rule in ROWWISE_REFUSED if _is_set(getattr(settings, rule.field, None))]
+    graph_impl = getattr(settings, "cuda_graph_impl", None)
+    graph_flag = next((flag for flag, on in (
+        (f"--cuda-graph-impl {graph_impl}", graph_impl not in (None, "none")),
+        ("--enable-cuda-graph", bool(getattr(settings, "enable_cuda_graph", False))),
+        ("--external-cuda-graph", bool(getattr(settings, "external_cuda_graph", False)))) if on), None)
+    if graph_flag:
+        problems.append(f"{graph_flag}: Megatron's CUDA-graph runners are not verified with the rowwise layer (their "
+                        f"MoE capture assumes Megatron's dispatchers); use --moe-ext-cuda-graphs "
+                        f"(MoEExtConfig.cuda_graphs), which captures the whole rowwise MoE layer, forward and "
+                        f"backward, for every capacity policy")
     if getattr(settings, "moe_token_dispatcher_type", None) == "flex":
         problems.append("moe_token_dispatcher_type='flex' (--moe-token-dispatcher-type flex): Megatron would build "
                         "its flex (DeepEP/HybridEP) dispatcher first; use alltoall (ignored by the rowwise layer) "

@@ -56,3 +56,16 @@ def test_every_config_field_has_a_consumer():
     sources = "\n".join(p.read_text() for p in root.rglob("*.py") if p.name not in ("config.py", "arguments.py"))
     unread = [name for name in MoEExtConfig.field_names() if not re.search(rf"\.{name}\b", sources)]
     assert not unread, f"MoEExtConfig fields nothing reads: {unread}"
+
+
+def test_megatron_cuda_graph_runners_are_refused_for_the_rowwise_layer():
+    """One rule for the launcher and the layer (a TransformerConfig has the same field names)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.rules import rowwise_problems
+
+    for settings, flag in ((SimpleNamespace(cuda_graph_impl="local"), "--cuda-graph-impl local"),
+                           (SimpleNamespace(cuda_graph_impl="none", enable_cuda_graph=True), "--enable-cuda-graph")):
+        problems = rowwise_problems(settings)
+        assert len(problems) == 1 and problems[0].startswith(flag) and "--moe-ext-cuda-graphs" in problems[0]
+    assert rowwise_problems(SimpleNamespace(cuda_graph_impl="none")) == []
