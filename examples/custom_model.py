@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"custom model, {args.ranks} CPU ranks, EP={args.ranks}, megatron_ext dispatcher={args.dispatcher}")
     print(f"layers' MLPs: {results[0]['mlp_per_layer']}")
     for result in results:
-        print(f"rank {result['rank']}: loss {result['loss']:.4f} | expert gradient norm {result['expert_grad_norm']:.4f}")
+        print(f"rank {result['rank']}: loss {result['loss']:.4f} | "
+              f"expert gradient norm {result['expert_grad_norm']:.4f}")
     return results
 
 

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 DATA_FLAGS = ("--data-path", "--data-args-path", "--train-data-path", "--per-split-data-args-path", "--mock-data")
 UNSUPPORTED = {  # args field -> why this entry refuses it (upstream pretrain_gpt.py handles them)
-    "sft": "--sft", "fim_data": "--fim-data", "dataloader_inter_document_masking": "--dataloader-inter-document-masking",
+    "sft": "--sft", "fim_data": "--fim-data",
+    "dataloader_inter_document_masking": "--dataloader-inter-document-masking",
     "mtp_num_layers": "--mtp-num-layers", "hybrid_context_parallel": "--hybrid-context-parallel",
 }
 

@@ -24,8 +24,10 @@ SHIM_TARGETS = [
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", ("device", "clone", "graph_safe")),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", ("new_state", "device", "graph_safe")),
     ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", ("tensor", "as_numpy", "record_stream")),
-    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu", ("tensor", "as_numpy", "record_stream")),
-    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", ("input_", "group", "output_split_sizes", "use_global_buffer")),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+     ("tensor", "as_numpy", "record_stream")),
+    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+     ("input_", "group", "output_split_sizes", "use_global_buffer")),
     ("megatron.core.transformer.torch_norm", "WrappedTorchNorm", ("config", "hidden_size", "eps")),
 ]
 

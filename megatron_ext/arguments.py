@@ -88,7 +88,8 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "refused; wrap the DDP with megatron_ext.ddp.megatron_hook.install_folding_ddp instead."),
     ExtFlag("metrics_interval", "--moe-ext-metrics-interval", "value", type=int, metavar="N",
             help="Print rank 0's routing metrics (dropped routes, capacity fill) every N iterations, after "
-                 "Megatron's train_step, under any training script; reading synchronizes, so 0 (never) is the default."),
+                 "Megatron's train_step, under any training script; reading synchronizes, "
+                 "so 0 (never) is the default."),
     ExtFlag("replica_check_interval", "--moe-ext-replica-check-interval", "value", type=int, metavar="N",
             help="Every N iterations (after Megatron's train_step, under any training script) compare parameter "
                  "checksums across each replica group (dense over DP x CP, experts over expert-data-parallel) "
@@ -267,7 +268,10 @@ def flag_table_markdown() -> str:
             shown = "off"
         else:
             shown = flag.default_text if default is None else f"`{default}`"
-        spelled = f"`{flag.flag}`" if flag.kind != "value" else f"`{flag.flag} {flag.metavar or '{' + ','.join(flag.choices) + '}'}`"
+        if flag.kind != "value":
+            spelled = f"`{flag.flag}`"
+        else:
+            spelled = f"`{flag.flag} {flag.metavar or '{' + ','.join(flag.choices) + '}'}`"
         rows.append(f"| {spelled} | `{flag.field}` | {shown} | {flag.help} |")
     return "\n".join(rows)
 

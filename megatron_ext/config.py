@@ -106,7 +106,8 @@ class MoEExtConfig:
                                  "the rowwise dispatch), got dispatcher='megatron'")
             if self.cuda_graphs:
                 raise ValueError("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
-                                 "dispatchers synchronize with the host (dispatcher='megatron'). Use dispatcher='rowwise'.")
+                                 "dispatchers synchronize with the host (dispatcher='megatron'). "
+                                 "Use dispatcher='rowwise'.")
             if self.on_overflow != "drop":
                 raise ValueError("on_overflow applies to dispatcher='rowwise' (Megatron's dispatchers are dropless "
                                  "or drop by their own settings)")

@@ -25,7 +25,8 @@ KNOWN_HARMLESS = (
 )
 _LOGGERS = (
     ("torch.utils.cpp_extension", "the CUDA_HOME notice on hosts without a CUDA runtime"),
-    ("megatron.core.models.gpt.gpt_model", "GPTModel's deprecation notice (it is Megatron's supported GPT model in 0.19)"),
+    ("megatron.core.models.gpt.gpt_model",
+     "GPTModel's deprecation notice (it is Megatron's supported GPT model in 0.19)"),
 )
 _done = False
 

@@ -57,7 +57,8 @@ def _spelled(flag: str, value) -> str:
 
 def rowwise_problems(settings) -> list[str]:
     """Why the rowwise dispatcher cannot run with `settings` (a TransformerConfig or Megatron's args)."""
-    problems = [f"{rule.field}={getattr(settings, rule.field)!r} ({_spelled(rule.flag, getattr(settings, rule.field))}): "
+    problems = [f"{rule.field}={getattr(settings, rule.field)!r} "
+                f"({_spelled(rule.flag, getattr(settings, rule.field))}): "
                 f"{rule.why}; {rule.fix}" for rule in ROWWISE_REFUSED if _is_set(getattr(settings, rule.field, None))]
     graph_impl = getattr(settings, "cuda_graph_impl", None)
     graph_flag = next((flag for flag, on in (
@@ -76,12 +77,13 @@ def rowwise_problems(settings) -> list[str]:
     etp = getattr(settings, "expert_tensor_parallel_size", None)
     tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
     if etp is not None and etp > 1:
-        problems.append(f"expert_tensor_parallel_size={etp} (--expert-tensor-parallel-size {etp}): the rowwise experts are "
-                        f"not sharded over tensor parallelism; use 1 and fold the experts over "
-                        f"--expert-model-parallel-size instead")
+        problems.append(f"expert_tensor_parallel_size={etp} (--expert-tensor-parallel-size {etp}): "
+                        f"the rowwise experts are not sharded over tensor parallelism; use 1 and fold the experts "
+                        f"over --expert-model-parallel-size instead")
     elif etp is None and tp > 1:
-        problems.append(f"tensor_model_parallel_size={tp} (--tensor-model-parallel-size {tp}) needs expert_tensor_parallel_size=1 "
-                        f"(--expert-tensor-parallel-size 1): Megatron defaults it to the tensor-parallel size")
+        problems.append(f"tensor_model_parallel_size={tp} (--tensor-model-parallel-size {tp}) "
+                        f"needs expert_tensor_parallel_size=1 (--expert-tensor-parallel-size 1): "
+                        f"Megatron defaults it to the tensor-parallel size")
     return problems
 
 

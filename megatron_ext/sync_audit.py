@@ -4,8 +4,9 @@
 .tolist, .cpu, .numpy, bool/int/float conversion, nonzero) plus stream/event/device
 synchronize, for the duration of a `with` block. It sees the Python call sites, on any device
 (on CPU it audits the code path; on GPU the CUDA-graph capture and profiler checks in
-tools/host_sync_audit.py are the stronger proof, docs/design.md, "Proofs of synchronization freedom"). Calls made while the audit is
-paused (`audit.paused()`) are not counted, e.g. a logging step's metric read.
+tools/host_sync_audit.py are the stronger proof,
+docs/design.md, "Proofs of synchronization freedom"). Calls made while the audit is paused
+(`audit.paused()`) are not counted, e.g. a logging step's metric read.
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ def main(argv=None) -> int:
         payload = {"args": vars(args), "shape": asdict(shape), "tokens_per_rank": shape.tokens,
                    "world_size": ranks.world, "ep": ranks.world, "dtype": args.dtype,
                    "model_flops_per_rank_step": flops, "same_routes_all_paths": routes_equal,
-                   "dispatch_combine_ratios": ratios, "mxfp8_vs_bf16": mxfp8_vs_bf16(rows), "target_shorter_by": TARGET_SHORTER, "rows": rows}
+                   "dispatch_combine_ratios": ratios, "mxfp8_vs_bf16": mxfp8_vs_bf16(rows),
+                   "target_shorter_by": TARGET_SHORTER, "rows": rows}
     return finish_run(args, payload)
 
 

@@ -326,7 +326,8 @@ def print_table(results: dict) -> None:
                   f"{p['host_submit_ms']:>8.3f} {p['tflops']:>8.1f} {p['pct_of_dense']:>7.1f} "
                   f"{mib(p['memory'], 'peak_above_baseline_bytes'):>9} {p['profile']['host_syncs_per_iter']:>5.1f}")
         d = res["dense_gemm"]
-        print(f"{name:<10} {'dense torch.mm':<17} {'':>7} {d['ms']:>10.3f} {'':>7} {'':>8} {d['tflops']:>8.1f} {100.0:>7.1f}")
+        print(f"{name:<10} {'dense torch.mm':<17} {'':>7} {d['ms']:>10.3f} {'':>7} {'':>8} "
+              f"{d['tflops']:>8.1f} {100.0:>7.1f}")
         print(f"{name:<10} speedup grouped/sequential: fwd+bwd {res['speedup_grouped_over_sequential']:.2f}x, "
               f"fwd {res['speedup_grouped_over_sequential_fwd']:.2f}x; routed rows {res['routed_rows']}, "
               f"load max/mean {res['load_max_over_mean']:.2f}")
@@ -339,7 +340,8 @@ def print_table(results: dict) -> None:
         for path_name, p in res["paths"].items():
             print(f"{name} / {path_name}: kernels {p['profile']['kernel_ms_per_iter']:.3f} ms/iter, top:")
             for k in p["profile"]["top_kernels"]:
-                print(f"    {k['ms_per_iter']:8.3f} ms {100 * k['share']:5.1f}% x{k['calls_per_iter']:<5.0f} {k['name'][:110]}")
+                print(f"    {k['ms_per_iter']:8.3f} ms {100 * k['share']:5.1f}% x{k['calls_per_iter']:<5.0f} "
+                      f"{k['name'][:110]}")
             print("  top host ops (self CPU ms/iter): " + ", ".join(
                 f"{op['name']} {op['self_cpu_ms_per_iter']:.3f}" for op in p["profile"]["top_host_ops"][:6]))
             if p["profile"]["host_sync_sites"]:

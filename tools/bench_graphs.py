@@ -80,7 +80,8 @@ def main():
             torch.cuda.empty_cache()
         row["step_speedup"] = row["eager"]["step_ms"] / row["graph"]["step_ms"]
         row["host_reduction"] = row["eager"]["host_submit_ms"] / row["graph"]["host_submit_ms"]
-        row["graph_extra_mib"] = row["graph"]["resident_after_first_step_mib"] - row["eager"]["resident_after_first_step_mib"]
+        row["graph_extra_mib"] = (row["graph"]["resident_after_first_step_mib"]
+                                  - row["eager"]["resident_after_first_step_mib"])
         rows.append(row)
         print(row, flush=True)
     print(f"\n{'tokens':>7s} {'eager ms':>9s} {'graph ms':>9s} {'speedup':>8s} {'eager host':>11s} "

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     ops = {
         "put_rows": lambda mod, kw: mod.put_rows(src, dest_rank, dest_row, table, **kw),
         "put_rows scaled": lambda mod, kw: mod.put_rows(src, dest_rank, dest_row, table, scale, **kw),
-        "get_rows weighted+gathered": lambda mod, kw: mod.get_rows(table, dest_rank, dest_row, out, scale, gathered, **kw),
+        "get_rows weighted+gathered":
+            lambda mod, kw: mod.get_rows(table, dest_rank, dest_row, out, scale, gathered, **kw),
     }
     times = {(op, v): [] for op in ops for v in variants}
     for _ in range(args.rounds):  # interleaved rounds: clock drift hits both variants alike

@@ -36,7 +36,8 @@ def build_layer(kind: str, args, dtype, device):
     if kind.startswith("megatron"):
         return megatron_moe_layer(config).to(device)
     transport = "symm" if kind == "rowwise_symm" else "torch"
-    return moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor))(config=config).to(device)
+    builder = moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor))
+    return builder(config=config).to(device)
 
 
 def without_gpu_only_layers(kinds: list[str]) -> list[str]:

@@ -92,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         bf16 = train_variant(case, [], output_dir, "bf16", METRICS)
     mxfp8 = train_variant(case, ["--moe-ext-mxfp8-dispatch"], output_dir, "mxfp8", METRICS)
-    result = {"case": case.name, **compare(bf16, mxfp8, options.window, options.warmup), "max_rel_diff_allowed": options.max_rel_diff}
+    result = {"case": case.name, **compare(bf16, mxfp8, options.window, options.warmup),
+              "max_rel_diff_allowed": options.max_rel_diff}
     path = write_result("mxfp8_loss", result)
 
     print(f"{'step':>5} {'bf16':>10} {'mxfp8':>10} {'diff':>10}")
     for step, a, b in zip(result["steps"], result["loss_bf16"], result["loss_mxfp8"]):
         print(f"{step:>5} {a:>10.5f} {b:>10.5f} {b - a:>+10.5f}")
-    print(f"last {options.window} steps: bf16 {result['window_mean_bf16']:.5f}, mxfp8 {result['window_mean_mxfp8']:.5f} "
+    print(f"last {options.window} steps: bf16 {result['window_mean_bf16']:.5f}, "
+          f"mxfp8 {result['window_mean_mxfp8']:.5f} "
           f"(relative difference {result['window_rel_diff']:.4%}); max |diff| {result['max_abs_diff']:.5f}; "
           f"iteration time {result['iteration_time_s']}; result: {path}")
     ok = result["all_finite"] and result["window_rel_diff"] <= options.max_rel_diff

@@ -261,7 +261,7 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
         return out
     block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
     _get_rows_kernel[(T,)](peer_table, dest_rank, dest_row, out, out if weights is None else weights,
-                           out if gathered is None else gathered, peer_table.numel(), _row_bound(capacity), H, K, HAS_WEIGHTS=weights is not None,
-                           HAS_GATHERED=gathered is not None, BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h,
-                           num_warps=num_warps)
+                           out if gathered is None else gathered, peer_table.numel(), _row_bound(capacity), H, K,
+                           HAS_WEIGHTS=weights is not None, HAS_GATHERED=gathered is not None,
+                           BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h, num_warps=num_warps)
     return out

@@ -128,7 +128,8 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                 continue
             tracker = get_cuda_rng_tracker()
             name = get_expert_parallel_rng_tracker_name()
-            context = tracker.fork(name) if tracker.is_initialized() and name in tracker.get_states() else contextlib.nullcontext()
+            forked = tracker.is_initialized() and name in tracker.get_states()
+            context = tracker.fork(name) if forked else contextlib.nullcontext()
             with context:
                 for expert_weight in weight.data:
                     init(expert_weight)

@@ -43,7 +43,8 @@ class ThreadedPeers:
             buffers = self._allocations[index]
         if buffers[0].shape != torch.Size(shape) or buffers[0].dtype != dtype:
             raise RuntimeError(f"simulated ranks allocated out of order: allocation {index} is "
-                               f"{tuple(buffers[0].shape)} {buffers[0].dtype}, this rank asked for {tuple(shape)} {dtype}")
+                               f"{tuple(buffers[0].shape)} {buffers[0].dtype}, "
+                               f"this rank asked for {tuple(shape)} {dtype}")
         return buffers
 
     def run(self, fn, *args) -> list:

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     if options.list or not options.case:
         print("\n".join(list_cases()))
         return 0 if options.list else 2
+    known = list_cases()
+    if options.case not in known:  # a usage error: one line, no traceback
+        parser.error(f"no test case {options.case!r}; known cases: {', '.join(known)} (--list)")
     outcome = run_case(options.case, options.output_dir, options.generate, options.data_path)
     print(outcome.report(), flush=True)
     return outcome.code

@@ -1,5 +1,6 @@
-"""Multi-group DDP on CUDA with NCCL (docs/design.md, "Parallel Folding and DDP buckets"): Megatron's DistributedDataParallel
-with the folding hook, and MultiGroupGradBuckets, against plain autograd on the global batch.
+"""Multi-group DDP on CUDA with NCCL (docs/design.md, "Parallel Folding and DDP buckets"): Megatron's
+DistributedDataParallel with the folding hook, and MultiGroupGradBuckets, against plain autograd on
+the global batch.
 
 Per world (1 GPU always; 2 GPUs when present, DP2 with the expert group EP_DP = DP):
 - FoldingDistributedDataParallel installs (replica groups verified, fixed launch order), and

@@ -68,7 +68,8 @@ def _sequential(experts, hidden, ffn, seed=1):
 
     config = _config(experts, hidden, ffn)
     layer_mlp = get_submodules(get_gpt_layer_local_submodules(num_experts=experts).mlp)
-    module = SequentialMLP(experts, config, get_submodules(layer_mlp.experts), pg_collection=get_default_pg_collection())
+    module = SequentialMLP(experts, config, get_submodules(layer_mlp.experts),
+                           pg_collection=get_default_pg_collection())
     fc1, fc2 = _weights(experts, hidden, ffn, seed)
     with torch.no_grad():
         for i, expert in enumerate(module.local_experts):

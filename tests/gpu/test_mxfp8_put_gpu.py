@@ -132,7 +132,8 @@ def test_fused_put_every_small_hidden(hidden):
     put_rows_mxfp8(x, dest_rank, dest_row, peer_table_from_buffers(bufs))
     want = expected_buffers(x, dest_rank, dest_row, M, 512)
     for m in range(M):
-        assert torch.equal(bufs[m], want[m]), f"H={hidden} rank {m}: {int((bufs[m] != want[m]).any(1).sum())} rows differ"
+        assert torch.equal(bufs[m], want[m]), (
+            f"H={hidden} rank {m}: {int((bufs[m] != want[m]).any(1).sum())} rows differ")
     packed = mxfp8_quant.quantize_rows_packed_triton(x)  # the standalone quantizer, same tile rule
     assert torch.equal(packed, mxfp8.pack_rows(mxfp8.quantize_rows(x))), f"H={hidden} quantize_rows_packed_triton"
 

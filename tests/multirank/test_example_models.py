@@ -12,7 +12,8 @@ from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_ARGV = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
              "--micro-batch-size 2 --global-batch-size 2 --train-iters 3 --lr 1e-3 --num-experts 4 --swiglu "
-             "--disable-bias-linear --vocab-size 128 --transformer-impl local --no-persist-layer-norm --normalization RMSNorm "
+             "--disable-bias-linear --vocab-size 128 --transformer-impl local --no-persist-layer-norm "
+             "--normalization RMSNorm "
              "--position-embedding-type rope --no-rope-fusion --no-gradient-accumulation-fusion "
              "--use-cpu-initialization --moe-ext-transport torch --moe-ext-capacity-factor 2").split()
 

@@ -1,7 +1,6 @@
 """DeviceOffsetGroupedMLP: under Megatron's dispatchers, on capacity buffers, and checkpoints."""
 
 import functools
-import os
 import tempfile
 
 import pytest
@@ -11,7 +10,7 @@ from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from tests.layer_check import Case, run_and_compare
 from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
-from megatron_ext.testing.reference import MoEWeights, assert_close, swiglu_expert
+from megatron_ext.testing.reference import MoEWeights, assert_close
 
 
 def _swapped_experts_rank(rank, world, dispatcher):
@@ -139,7 +138,8 @@ def _checkpoint_rank(rank, world, ckpt_dir, direction):
     experts_total = 4
     config = moe_config(hidden=32, ffn=16, experts=experts_total, ep=world)
     local = experts_total // world
-    mlp_submodules = get_submodules(get_submodules(get_gpt_layer_local_submodules(num_experts=experts_total).mlp).experts)
+    layer_mlp = get_submodules(get_gpt_layer_local_submodules(num_experts=experts_total).mlp)
+    mlp_submodules = get_submodules(layer_mlp.experts)
     sequential = SequentialMLP(local, config, mlp_submodules, pg_collection=get_default_pg_collection())
     grouped = DeviceOffsetGroupedMLP(local, config)
     source, target = (sequential, grouped) if direction == "sequential_to_grouped" else (grouped, sequential)

@@ -14,11 +14,10 @@ def build(config, **ext):
 
 
 def _errors_rank(rank, world):
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron_ext.moe.layer import RowwiseMoELayer
 
-    with pytest.raises(ValueError, match=r"num_moe_experts=3 \(--num-experts 3\) is not divisible by the expert-parallel size \(--expert-model-parallel-size 2\)"):
+    with pytest.raises(ValueError, match=r"num_moe_experts=3 \(--num-experts 3\) is not divisible by the "
+                                         r"expert-parallel size \(--expert-model-parallel-size 2\)"):
         build(moe_config(experts=3, topk=2, ep=2))
     with pytest.raises(ValueError, match=r"moe_router_topk=5 \(--moe-router-topk 5\) exceeds num_moe_experts=4"):
         build(moe_config(experts=4, topk=5, ep=2))

@@ -58,7 +58,8 @@ def main() -> None:
     packed = kernels.quantize_rows_packed_triton(x)
     check("packed rows", same_bits(packed, mxfp8.pack_rows(mxfp8.quantize_rows(x))))
     views = mxfp8.unpack_rows(packed, 2080)
-    check("dequantize from packed views", same_bits(kernels.dequantize_rows_triton(views), mxfp8.dequantize_rows(views)))
+    check("dequantize from packed views",
+          same_bits(kernels.dequantize_rows_triton(views), mxfp8.dequantize_rows(views)))
     # Every E4M3 code against every E8M0 byte (including 0x00, 0xFE and NaN 0xFF).
     codes = torch.arange(256, dtype=torch.uint8).repeat(32, 1)
     scales = (torch.arange(32 * 8).reshape(32, 8) % 256).to(torch.uint8)

@@ -7,9 +7,9 @@ grid value with ties going to the even code (mantissa LSB 0); the grid is sorted
 candidates are found by bisection. Python floats are binary64, which holds every fp32/bf16 input
 and every ``x / 2^X`` exactly, so no step here rounds except the one E4M3 rounding.
 
-Also holds ``same_bits`` (byte equality where NaN payloads may differ) and ``make_spec_inputs``: inputs that hit each clause of the spec (magnitudes, subnormals,
-zero blocks, saturation, ties, powers of two, NaN/Inf), shared by the unit test and the
-Triton-interpreter script.
+Also holds ``same_bits`` (byte equality where NaN payloads may differ) and ``make_spec_inputs``:
+inputs that hit each clause of the spec (magnitudes, subnormals, zero blocks, saturation, ties,
+powers of two, NaN/Inf), shared by the unit test and the Triton-interpreter script.
 """
 
 from __future__ import annotations

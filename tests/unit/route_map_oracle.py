@@ -13,8 +13,8 @@ def oracle_keep(requested: list[list[int]], capacity: int) -> list[list[int]]:
     local = num_experts // m
     keep = [[0] * num_experts for _ in range(m)]
     for d in range(m):
-        # Bucket b = l * M + s.
-        buckets = [(s, d * local + l) for l in range(local) for s in range(m)]
+        # Bucket b = local_expert * M + s.
+        buckets = [(s, d * local + local_expert) for local_expert in range(local) for s in range(m)]
         req = [requested[s][e] for s, e in buckets]
         total = sum(req)
         if total <= capacity:
@@ -61,8 +61,8 @@ def oracle_rows(top_idx_per_rank: list[list[list[int]]], num_experts: int, capac
     writer = {d: [] for d in range(m)}  # rows of destination d -> source rank, in order
     for d in range(m):
         row = 0
-        for l in range(local):
-            e = d * local + l
+        for local_expert in range(local):
+            e = d * local + local_expert
             for s in range(m):
                 first_row[(s, e)] = row
                 row += keep[s][e]
@@ -86,7 +86,7 @@ def oracle_rows(top_idx_per_rank: list[list[list[int]]], num_experts: int, capac
                     seen[e] += 1
             dest_rank.append(ranks_t)
             dest_row.append(rows_t)
-        recv_counts = [sum(keep[src][s * local + l] for src in range(m)) for l in range(local)]
+        recv_counts = [sum(keep[src][s * local + local_expert] for src in range(m)) for local_expert in range(local)]
         recv_offsets, acc = [], 0
         for c in recv_counts:
             acc += c

@@ -11,7 +11,8 @@ from megatron_ext.arguments import (FLAGS, MoEExtArgumentError, add_moe_ext_args
 from megatron_ext.config import MoEExtConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local", "--no-persist-layer-norm"]
+MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local",
+             "--no-persist-layer-norm"]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,9 @@ def test_non_default_configs_round_trip_through_megatrons_parser(megatron_parser
 def test_every_field_is_reachable_from_its_flag(megatron_parser):
     """Each flag alone changes exactly its own field."""
     for flag in FLAGS:
-        argv = [flag.flag] if flag.kind != "value" else [flag.flag, {"dispatcher": "megatron", "transport": "torch",
-                                                                      "capacity_factor": "3.5", "on_overflow": "error"}.get(flag.field, "7")]
+        value = {"dispatcher": "megatron", "transport": "torch",
+                 "capacity_factor": "3.5", "on_overflow": "error"}.get(flag.field, "7")
+        argv = [flag.flag] if flag.kind != "value" else [flag.flag, value]
         config = ext_config_from_args(megatron_parser.parse_args(argv))
         differs = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]
         assert differs == [flag.field], (flag.flag, differs)
@@ -81,21 +83,27 @@ def _parse(parser, argv):
 
 
 @pytest.mark.parametrize("argv,flags", [
-    (MOE_MODEL + ["--moe-expert-capacity-factor", "1.0"], ["--moe-ext-dispatcher rowwise", "--moe-expert-capacity-factor"]),
-    (MOE_MODEL + ["--moe-pad-expert-input-to-capacity"], ["--moe-ext-dispatcher rowwise", "--moe-pad-expert-input-to-capacity"]),
+    (MOE_MODEL + ["--moe-expert-capacity-factor", "1.0"],
+     ["--moe-ext-dispatcher rowwise", "--moe-expert-capacity-factor"]),
+    (MOE_MODEL + ["--moe-pad-expert-input-to-capacity"],
+     ["--moe-ext-dispatcher rowwise", "--moe-pad-expert-input-to-capacity"]),
     (MOE_MODEL + ["--moe-shared-expert-overlap"], ["--moe-ext-dispatcher rowwise", "--moe-shared-expert-overlap"]),
-    (MOE_MODEL + ["--overlap-moe-expert-parallel-comm"], ["--moe-ext-dispatcher rowwise", "--overlap-moe-expert-parallel-comm"]),
-    (MOE_MODEL + ["--expert-tensor-parallel-size", "2"], ["--moe-ext-dispatcher rowwise", "--expert-tensor-parallel-size 2"]),
-    (MOE_MODEL + ["--tensor-model-parallel-size", "2"], ["--moe-ext-dispatcher rowwise", "--tensor-model-parallel-size 2",
-                                                         "--expert-tensor-parallel-size 1"]),
-    (MOE_MODEL + ["--moe-token-dispatcher-type", "flex"], ["--moe-ext-dispatcher rowwise", "--moe-token-dispatcher-type flex"]),
+    (MOE_MODEL + ["--overlap-moe-expert-parallel-comm"],
+     ["--moe-ext-dispatcher rowwise", "--overlap-moe-expert-parallel-comm"]),
+    (MOE_MODEL + ["--expert-tensor-parallel-size", "2"],
+     ["--moe-ext-dispatcher rowwise", "--expert-tensor-parallel-size 2"]),
+    (MOE_MODEL + ["--tensor-model-parallel-size", "2"],
+     ["--moe-ext-dispatcher rowwise", "--tensor-model-parallel-size 2", "--expert-tensor-parallel-size 1"]),
+    (MOE_MODEL + ["--moe-token-dispatcher-type", "flex"],
+     ["--moe-ext-dispatcher rowwise", "--moe-token-dispatcher-type flex"]),
     (MOE_MODEL + ["--moe-enable-deepep"], ["--moe-ext-dispatcher rowwise", "--moe-enable-deepep"]),
     (MOE_MODEL + ["--cuda-graph-impl", "local"], ["--cuda-graph-impl local", "--moe-ext-cuda-graphs"]),
     (MOE_MODEL + ["--cuda-graph-impl", "transformer_engine"], ["--cuda-graph-impl transformer_engine",
                                                                "--moe-ext-cuda-graphs"]),
     (["--num-experts", "6", "--swiglu", "--disable-bias-linear", "--expert-model-parallel-size", "4"],
      ["--num-experts 6", "--expert-model-parallel-size 4"]),
-    (MOE_MODEL + ["--moe-ext-mxfp8-dispatch", "--hidden-size", "100"], ["--moe-ext-mxfp8-dispatch", "--hidden-size 100"]),
+    (MOE_MODEL + ["--moe-ext-mxfp8-dispatch", "--hidden-size", "100"],
+     ["--moe-ext-mxfp8-dispatch", "--hidden-size 100"]),
     (MOE_MODEL + ["--moe-mlp-glu-interleave-size", "8"],
      ["--moe-mlp-glu-interleave-size 8", "--moe-ext-dispatcher rowwise", "--moe-ext-dispatcher megatron"]),
     (MOE_MODEL + ["--moe-apply-probs-on-input"], ["--moe-apply-probs-on-input", "--moe-router-topk 1"]),

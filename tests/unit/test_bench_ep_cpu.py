@@ -47,7 +47,8 @@ def test_bench_ep_runs_on_two_cpu_ranks(tmp_path):
     assert "EP2 MoE layer, 2 ranks" in out and "disp+comb ms" in out, out
     for path in ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch"):
         assert any(line.startswith(path + " ") and "NOT AVAILABLE" not in line for line in out.splitlines()), out
-    for path in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless", "rowwise_symm_bounded"):
+    for path in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless",
+                 "rowwise_symm_bounded"):
         assert any(line.startswith(path) and "NOT AVAILABLE" in line for line in out.splitlines()), out
     assert "dispatch+combine rowwise_torch/megatron_alltoall: ratio" in out
     result = _result(tmp_path, "ep_layer")["result"]

@@ -145,6 +145,7 @@ def test_second_backward_after_launch_is_a_clear_error():
     buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
     x = torch.randn(4, 6)
     model(x).sum().backward()
+    assert buckets.launch_order, "the first backward launched no bucket"
     with pytest.raises(RuntimeError, match="after bucket .* was launched"):
         model(x).sum().backward()
 

@@ -216,12 +216,18 @@ def test_megatron_training_log_still_skips_the_first_reset():
 
 # ---- logs -----------------------------------------------------------------------------------------
 
-MEGATRON_LOG = """\
- [2026-11-29 10:00:00.000000] iteration        1/      50 | consumed samples:           32 | elapsed time per iteration (ms): 2500.5 | learning rate: 6.000000E-05 | global batch size:    32 | lm loss: 1.038945E+01 | load_balancing_loss: 1.010000E+00 | loss scale: 1.0 | grad norm: 3.142 | num zeros: 17 | number of skipped iterations:   0 | number of nan iterations:   0 |
-[Rank 0] (after 1 iterations) memory (MB) | allocated: 1024.50 | max allocated: 2048.25 | reserved: 3000.00 | max reserved: 3000.00
-[Rank 1] (after 1 iterations) memory (MB) | allocated: 9999.00 | max allocated: 9999.00 | reserved: 3000.00 | max reserved: 3000.00
-[default0]: [2026-11-29 10:00:01.000000] iteration        2/      50 | consumed samples:           64 | elapsed time per iteration (ms): 98.0 | lm loss: 1.021000E+01 | loss scale: 1.0 | num zeros: 12 |
-"""
+MEGATRON_LOG = (
+    " [2026-11-29 10:00:00.000000] iteration        1/      50 | consumed samples:           32 | "
+    "elapsed time per iteration (ms): 2500.5 | learning rate: 6.000000E-05 | global batch size:    32 | "
+    "lm loss: 1.038945E+01 | load_balancing_loss: 1.010000E+00 | loss scale: 1.0 | grad norm: 3.142 | "
+    "num zeros: 17 | number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+    "[Rank 0] (after 1 iterations) memory (MB) | allocated: 1024.50 | max allocated: 2048.25 | "
+    "reserved: 3000.00 | max reserved: 3000.00\n"
+    "[Rank 1] (after 1 iterations) memory (MB) | allocated: 9999.00 | max allocated: 9999.00 | "
+    "reserved: 3000.00 | max reserved: 3000.00\n"
+    "[default0]: [2026-11-29 10:00:01.000000] iteration        2/      50 | consumed samples:           64 | "
+    "elapsed time per iteration (ms): 98.0 | lm loss: 1.021000E+01 | loss scale: 1.0 | num zeros: 12 |\n"
+)
 
 
 def test_megatron_log_lines_become_metrics():

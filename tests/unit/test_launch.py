@@ -15,7 +15,8 @@ from megatron_ext.arguments import MoEExtArgumentError
 from megatron_ext.config import MoEExtConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local", "--no-persist-layer-norm"]
+MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local",
+             "--no-persist-layer-norm"]
 
 
 @pytest.fixture

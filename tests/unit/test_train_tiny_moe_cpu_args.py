@@ -21,7 +21,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
     (["--capacity-factor", "0"], "error: --capacity-factor must be a finite number > 0, got 0.0; "
                                  "use e.g. 1.25, or --dropless to never drop routes"),
     (["--capacity-factor", "nan"], "error: --capacity-factor must be a finite number > 0, got nan"),
-    (["--dropless", "--megatron-baseline"], "error: argument --megatron-baseline: not allowed with argument --dropless"),
+    (["--dropless", "--megatron-baseline"],
+     "error: argument --megatron-baseline: not allowed with argument --dropless"),
 ], ids=["steps0", "steps1", "ranks0", "ranks3", "cf0", "cf_nan", "dropless_baseline"])
 def test_bad_flags_give_a_usage_error(flags, message):
     result = subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True, timeout=120)

@@ -58,7 +58,8 @@ def test_wrapped_train_step_runs_the_hooks_with_megatrons_arguments(monkeypatch)
         return "step result"
 
     monkeypatch.setattr(training, "train_step", fake_train_step)
-    monkeypatch.setattr(training_hooks, "after_train_step", lambda model, it, cfg, log_interval=1: calls.append((model, it)))
+    monkeypatch.setattr(training_hooks, "after_train_step",
+                        lambda model, it, cfg, log_interval=1: calls.append((model, it)))
     training_hooks.install(MoEExtConfig(metrics_interval=1))
     assert training.train_step(None, None, "MODEL", None, None, None, None, iteration=7) == "step result"
     assert calls == [("MODEL", 7)]
