@@ -157,7 +157,7 @@ def symm_kernel_cases(routes: Routes, setup: Setup, ranks: Ranks, tokens: torch.
 
 def mxfp8_row_bytes(hidden: int) -> int | None:
     try:
-        from megatron_ext.moe.mxfp8 import packed_row_bytes
+        from megatron_ext.formats.mxfp8 import packed_row_bytes
     except ImportError:
         return None
     return packed_row_bytes(hidden)
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
         print_table(rows, setup, ranks, target)
         notes = [] if ranks.device.type == "cuda" else [CPU_NOTE]
         if mxfp8_row_bytes(setup.hidden) is None:
-            notes.append("mxfp8 rows not measured: megatron_ext.moe.mxfp8 is not available in this checkout")
+            notes.append("mxfp8 rows not measured: megatron_ext.formats.mxfp8 is not available in this checkout")
         payload = {"args": vars(args), "setup": vars(setup), "world_size": ranks.world, "dtype": "bf16",
                    "nvlink_gbps_per_direction": NVLINK_GBPS_PER_DIRECTION, "dispatch_target": target,
                    "notes": notes, "rows": rows}

@@ -3,7 +3,7 @@
 `put_rows_mxfp8(src, dest_rank, dest_row, peer_table)` quantizes each token row of ``src``
 ([T, H] bf16/fp32) with the arithmetic of ``mxfp8_quant.mxfp8_quantize_tile`` and stores the
 packed row (H E4M3 bytes, H/32 E8M0 bytes, zero pad to ``packed_row_bytes(H)``; layout in
-``megatron_ext/moe/mxfp8.py``) into row ``dest_row[t, k]`` of rank ``dest_rank[t, k]``'s uint8
+``megatron_ext/formats/mxfp8.py``) into row ``dest_row[t, k]`` of rank ``dest_rank[t, k]``'s uint8
 buffer [C, packed_row_bytes(H)] for every kept route; dropped routes (-1) write nothing. The
 bytes equal ``pack_rows(quantize_rows(src))`` row for row.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.kernels.row_transfer import _check_common, _check_runnable, _require, _row_bound
-from megatron_ext.moe.mxfp8 import check_input_rows, packed_row_bytes
+from megatron_ext.formats.mxfp8 import check_input_rows, packed_row_bytes
 
 try:
     import triton

@@ -1,7 +1,7 @@
-"""Triton MXFP8 quantize/dequantize kernels, byte-identical to ``megatron_ext.moe.mxfp8``.
+"""Triton MXFP8 quantize/dequantize kernels, byte-identical to ``megatron_ext.formats.mxfp8``.
 
 The format and its rounding/saturation/zero/NaN rules are documented in
-``megatron_ext/moe/mxfp8.py``. Importing this module needs no GPU (nothing compiles until the
+``megatron_ext/formats/mxfp8.py``. Importing this module needs no GPU (nothing compiles until the
 first launch); the kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
 
 Two code paths give the same bytes:
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_ext.moe.mxfp8 import (
+from megatron_ext.formats.mxfp8 import (
     MXFP8_BLOCK,
     SCALE_DTYPE,
     VALUE_DTYPE,
@@ -192,7 +192,8 @@ def _check_device(t: torch.Tensor) -> None:
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"the Triton MXFP8 kernels need CUDA tensors (got {t.device}); on CPU use "
-            "megatron_ext.moe.mxfp8.quantize_rows/dequantize_rows, or set TRITON_INTERPRET=1 before importing triton"
+            "megatron_ext.formats.mxfp8.quantize_rows/dequantize_rows, or set TRITON_INTERPRET=1 before "
+            "importing triton"
         )
 
 

@@ -38,7 +38,7 @@ class RowwiseMoELayer(MoELayer):
         pg_collection = pg_collection or get_default_pg_collection()
         check_megatron_config(config)
         if ext_config.mxfp8_dispatch:
-            from megatron_ext.moe.mxfp8 import check_hidden
+            from megatron_ext.formats.mxfp8 import check_hidden
 
             check_hidden(config.hidden_size)
         ep_size = pg_collection.ep.size()

@@ -29,27 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.moe import mxfp8
+from megatron_ext.formats import mxfp8
+from megatron_ext.kernels.mxfp8_rows import dequantize_packed
 from megatron_ext.moe.route_map import RouteMap
 from megatron_ext.moe.transport.base import RowTransport
-
-
-def quantize_packed(tokens: torch.Tensor) -> torch.Tensor:
-    """[T, H] bf16/fp32 -> packed uint8 [T, packed_row_bytes(H)] (Triton on GPU, torch on CPU)."""
-    if tokens.is_cuda:
-        from megatron_ext.kernels.mxfp8_quant import quantize_rows_packed_triton
-
-        return quantize_rows_packed_triton(tokens)
-    return mxfp8.pack_rows(mxfp8.quantize_rows(tokens))
-
-
-def dequantize_packed(packed: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    rows = mxfp8.unpack_rows(packed, hidden)
-    if packed.is_cuda:
-        from megatron_ext.kernels.mxfp8_quant import dequantize_rows_triton
-
-        return dequantize_rows_triton(rows, dtype)
-    return mxfp8.dequantize_rows(rows, dtype)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.moe import mxfp8
+from megatron_ext.formats import mxfp8
 from tests.unit.mxfp8_spec_reference import make_spec_inputs, quantize_rows_reference, same_bits
 
 pytestmark = pytest.mark.gpu

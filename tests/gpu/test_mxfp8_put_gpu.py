@@ -11,7 +11,7 @@ import torch
 from megatron_ext.kernels import mxfp8_quant
 from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
 from megatron_ext.kernels.row_transfer import peer_table_from_buffers
-from megatron_ext.moe import mxfp8
+from megatron_ext.formats import mxfp8
 from tests.unit._mxfp8_put_interp import SENTINEL, expected_buffers, single_rank_route
 from tests.unit._row_transfer_interp import random_routes
 from tests.unit.mxfp8_spec_reference import make_spec_inputs

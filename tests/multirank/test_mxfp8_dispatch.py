@@ -5,7 +5,7 @@ import torch
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
-from megatron_ext.moe import mxfp8
+from megatron_ext.formats import mxfp8
 from megatron_ext.moe.mxfp8_dispatch import dispatch_row_bytes
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens

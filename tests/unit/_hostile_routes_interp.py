@@ -52,7 +52,7 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
     from megatron_ext.kernels.row_transfer import get_rows, peer_table_from_buffers, put_rows
-    from megatron_ext.moe.mxfp8 import packed_row_bytes
+    from megatron_ext.formats.mxfp8 import packed_row_bytes
 
     failures = []
     T, K, H, C = 8, 2, 64, 16

@@ -20,7 +20,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_ext.kernels import mxfp8_quant as kernels  # noqa: E402
-from megatron_ext.moe import mxfp8  # noqa: E402
+from megatron_ext.formats import mxfp8  # noqa: E402
 from mxfp8_spec_reference import make_spec_inputs, same_bits  # noqa: E402
 
 

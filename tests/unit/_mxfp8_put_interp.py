@@ -25,7 +25,7 @@ def expected_buffers(src, dest_rank, dest_row, M, C):
     """Sentinel-filled [C, P] uint8 buffers with each kept route's reference packed row in place."""
     import torch
 
-    from megatron_ext.moe import mxfp8
+    from megatron_ext.formats import mxfp8
 
     packed = mxfp8.pack_rows(mxfp8.quantize_rows(src))
     want = [torch.full((C, packed.shape[1]), SENTINEL, dtype=torch.uint8, device=src.device) for _ in range(M)]
@@ -42,7 +42,7 @@ def run_case(name, src, dest_rank, dest_row, M, C, **options) -> bool:
 
     from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
     from megatron_ext.kernels.row_transfer import peer_table_from_buffers
-    from megatron_ext.moe.mxfp8 import packed_row_bytes
+    from megatron_ext.formats.mxfp8 import packed_row_bytes
 
     got = [torch.full((C, packed_row_bytes(src.shape[1])), SENTINEL, dtype=torch.uint8) for _ in range(M)]
     put_rows_mxfp8(src, dest_rank, dest_row, peer_table_from_buffers(got), **options)

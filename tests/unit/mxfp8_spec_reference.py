@@ -1,6 +1,6 @@
 """Slow MXFP8 reference written from the OCP MX v1.0 text with plain Python floats.
 
-Independent of ``megatron_ext.moe.mxfp8``: no torch fp8 casts, no bit tricks on fp32. The E4M3
+Independent of ``megatron_ext.formats.mxfp8``: no torch fp8 casts, no bit tricks on fp32. The E4M3
 grid is built by enumerating every code from its definition (sign, 4-bit exponent with bias 7,
 3-bit mantissa, subnormals at exponent 0, S.1111.111 = NaN), and rounding picks the nearest
 grid value with ties going to the even code (mantissa LSB 0); the grid is sorted, so the two

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron_ext.moe import mxfp8
+from megatron_ext.formats import mxfp8
 from tests.unit.interpreter import run_under_interpreter
 from tests.unit.mxfp8_spec_reference import (
     dequantize_rows_reference,

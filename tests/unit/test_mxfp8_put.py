@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
-from megatron_ext.moe import mxfp8
+from megatron_ext.formats import mxfp8
 from megatron_ext.moe.transport.torch_ref import TorchRowTransport
 from tests.unit._mxfp8_put_interp import single_rank_route
 from tests.unit._row_transfer_interp import random_routes

@@ -206,7 +206,7 @@ class DeepEPRowTransport:
     def dispatch_quantized(self, tokens: torch.Tensor, route: RouteMap):
         """MXFP8 rows: quantize and pack [T, H] tokens, dispatch the packed rows as float32 words
         (DeepEP copies bytes: bit-exact). Returns (uint8 [C, packed_row_bytes(H)], None)."""
-        from megatron_ext.moe.mxfp8_dispatch import quantize_packed  # that module imports transports
+        from megatron_ext.kernels.mxfp8_rows import quantize_packed
 
         self.exchange.reserve(tokens.shape[1] * tokens.element_size())  # combine rows, wider than packed
         packed = quantize_packed(tokens.contiguous())

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
 from megatron_ext.kernels.row_transfer import get_rows, put_rows
 from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, SymmetricHeap, TorchSymmetricHeap, poison_then_fence
-from megatron_ext.moe.mxfp8 import packed_row_bytes
+from megatron_ext.formats.mxfp8 import packed_row_bytes
 from megatron_ext.moe.peer_failure import BarrierWatchdog
 from megatron_ext.moe.route_map import RouteMap
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_ext.kernels.mxfp8_rows import quantize_packed
 from megatron_ext.moe.peer_failure import named_phase
 from megatron_ext.moe.route_map import RouteMap
 
@@ -42,8 +43,6 @@ class TorchRowTransport:
     def dispatch_quantized(self, tokens, route):
         """MXFP8 rows: quantize and pack [T, H] tokens, then the same PUT on the packed rows viewed
         as float32 words (bit-exact: no arithmetic on them). Returns (uint8 [C, P], None)."""
-        from megatron_ext.moe.mxfp8_dispatch import quantize_packed  # that module imports transports
-
         packed = quantize_packed(tokens.contiguous())
         return self._put(packed.view(torch.float32), route, phase="MXFP8 dispatch").view(torch.uint8), None
 
