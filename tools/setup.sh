@@ -34,5 +34,14 @@ echo "       libraries, 1-3 minutes on a fresh machine; pip's progress follows)"
     | grep -E '^(Collecting|Downloading|Successfully|Requirement already satisfied: torch)' | sed 's/^/setup:   /' || true
 .venv/bin/python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 echo "setup: installing megatron-ext[test]"
-.venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -c 'import megatron.core, megatron_ext; print("setup: megatron-core", megatron.core.__version__)'
+# pip's output (setuptools' editable-install notice among it) is shown only if the install fails.
+log=$(mktemp)
+if ! .venv/bin/python -m pip install -q -e '.[test]' > "$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    echo "setup: installing megatron-ext[test] failed (pip's output above)" >&2
+    exit 1
+fi
+rm -f "$log"
+.venv/bin/python -c 'from megatron_ext.quiet import quiet_known_warnings; quiet_known_warnings(announce=False)
+import megatron.core, megatron_ext; print("setup: megatron-core", megatron.core.__version__)'
