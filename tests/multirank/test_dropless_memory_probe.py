@@ -1,0 +1,14 @@
+"""tools/dropless_memory_probe.py: bounded-dropless buffers against the rows that arrive (issue 20)."""
+
+import json
+
+from tools.dropless_memory_probe import main
+
+
+def test_probe_reports_the_bound_against_arrived_rows(tmp_path, capsys):
+    assert main(["--ep", "2", "--steps", "3", "--results-dir", str(tmp_path)]) == 0
+    row = json.loads(next(tmp_path.glob("dropless_memory_*.json")).read_text())["result"]["rows"][0]
+    assert row["ep"] == 2 and row["layers"] == 4 and row["overflow"] is None
+    assert row["arrived_rows_total"] <= row["bounded_rows_total"] < row["worst_case_rows_total"]
+    assert row["worst_case_rows_per_layer"] == 2 * row["tokens_per_rank"] * row["topk"]
+    assert "EP2: 4 MoE layers" in capsys.readouterr().out
