@@ -1,4 +1,5 @@
-"""Bounded waits on expert-parallel peers: a dead or stalled rank ends the job with a message.
+"""Bounded waits on expert-parallel peers: a dead or stalled rank ends the job with a message
+(docs/design.md, "Faults").
 
 Every wait of the rowwise path is on its EP peers: the count exchange and the torch transport's
 all-to-alls (collectives of the process group), and the symm transport's device barriers. When
