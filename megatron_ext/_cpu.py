@@ -160,6 +160,8 @@ def _shim_uneven_all_gather():
     # expert-TP > 1) relies on NCCL's uneven all_gather; gloo rejects it. Pad, gather, trim.
     import megatron.core.tensor_parallel.mappings as mappings
 
+    from megatron_ext.moe.route_map import gather_into_one_tensor
+
     original = mappings._gather_along_first_dim
 
     def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -170,7 +172,7 @@ def _shim_uneven_all_gather():
         padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
         padded[: input_.shape[0]] = input_
         gathered = input_.new_empty((longest * group.size(),) + tuple(input_.shape[1:]))
-        torch.distributed.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        gather_into_one_tensor(gathered, padded.contiguous(), group=group)
         return torch.cat([gathered[i * longest : i * longest + s] for i, s in enumerate(sizes)], dim=0)
 
     mappings._gather_along_first_dim = _gather_along_first_dim

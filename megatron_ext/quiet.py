@@ -21,7 +21,7 @@ KNOWN_HARMLESS = (
     ("Apex is not installed. Falling back to Torch Norm", "Megatron uses torch's norm"),
     ("absl.logging is not installed", "Megatron uses the logging module"),
     ("full scope is deprecated", "raised by Megatron's own TransformerConfig defaults"),
-    ("`torch.distributed.all_gather_into_tensor` is deprecated", "torch's rename, same collective"),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", "torch's rename, raised by Megatron's calls"),
 )
 _LOGGERS = (
     ("torch.utils.cpp_extension", "the CUDA_HOME notice on hosts without a CUDA runtime"),

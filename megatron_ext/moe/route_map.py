@@ -185,13 +185,17 @@ def build_route_map(top_idx: torch.Tensor, requested_all: torch.Tensor, keep: to
                     recv_offsets=recv_offsets.int(), row_source=row_source, metrics=metrics)
 
 
+# torch renamed all_gather_into_tensor to all_gather_single (2.13 warns on the old name; 2.11 lacks the new one)
+gather_into_one_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     """[E] counts from every EP rank -> [M, E], on device (gloo and NCCL). The only exchange."""
     if group is None or dist.get_world_size(group) == 1:
         return counts[None]
     size = dist.get_world_size(group)
     gathered = counts.new_empty(size * counts.numel())  # flat: gloo rejects a stacked output
-    dist.all_gather_into_tensor(gathered, counts.contiguous(), group=group)
+    gather_into_one_tensor(gathered, counts.contiguous(), group=group)
     return gathered.view(size, counts.numel())
 
 
