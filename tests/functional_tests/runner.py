@@ -4,13 +4,8 @@
     python tests/functional_tests/runner.py --case gpt/tiny_moe_rowwise_cpu_ep2
     python tests/functional_tests/runner.py --case gpt/moe_rowwise_1gpu --generate   # write golden values
 
-TEST_TYPE regular: one run, compared with golden_values_<env>_<platform>.json.
-TEST_TYPE ckpt-resume: run 1 trains all steps and saves a checkpoint at RESUME_STEP; run 2 adds
-RESUME_ARGS (load that checkpoint) and trains to the end. Run 1 is compared with the golden
-values, run 2 with the "_2nd" golden values and with run 1 on the resumed steps.
-
-Exit codes: 0 passed (or golden values written), 1 a check failed, 2 no golden values yet,
-3 skipped (needs more GPUs than visible), 4 the training command failed.
+What a case run does (TEST_TYPE regular and ckpt-resume) and its exit codes (0 passed, 1 a check
+failed, 2 no golden values yet, 3 skipped, 4 training failed): megatron_ext/bench/functional/case_run.py.
 Outputs (logs, actual values as JSON) go to --output-dir (default: a new temporary folder).
 
 The command line over megatron_ext.bench.functional (case files, training, log metrics, the

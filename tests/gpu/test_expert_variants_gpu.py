@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
 from megatron_ext.testing.expert_variants import (ExpertParams, expert_param_grads, load_expert_params,  # noqa: E402
                                                   sequential_mlp, variant_config, variants)
+from megatron_ext.testing.graphs import capture_experts_step, refill  # noqa: E402
 from megatron_ext.testing.reference import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -216,35 +217,11 @@ def _graph_capture(name, hidden, ffn):
     x.requires_grad_(True)
     probs.requires_grad_(True)
     counts = _counts(experts, 3000, seed=10).to(DEVICE)
-
-    def step():
-        out, _ = module(x, counts, probs)
-        out.backward(grad_out)
-        return out
-
-    def clear():
-        for leaf in (x, probs, *module.parameters()):
-            leaf.grad = None
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compile kernels and settle allocations outside the capture
-            clear()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    clear()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # fails on any host synchronization inside
-        static_out = step()
+    graph, static_out = capture_experts_step(module, x, counts, probs, grad_out)
 
     new_counts = _counts(experts, 3500, seed=11, empty=(5,)).to(DEVICE)
     new_x, new_probs, new_grad = _rows(capacity, hidden, seed=12)
-    with torch.no_grad():
-        x.copy_(new_x)
-        probs.copy_(new_probs)
-        grad_out.copy_(new_grad)
-        counts.copy_(new_counts)
+    refill((x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
     graph.replay()
     torch.cuda.synchronize()
     valid = 3500

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_ext.kernels.swiglu import _backward_torch, _forward_torch, swiglu_valid_prefix  # noqa: E402
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
+from megatron_ext.testing.graphs import capture_experts_step, refill  # noqa: E402
 from megatron_ext.testing.megatron_moe import moe_config  # noqa: E402
 from megatron_ext.testing.reference import assert_close  # noqa: E402
 from megatron_ext.testing.single_rank import init_single_rank_megatron  # noqa: E402
@@ -195,36 +196,12 @@ def test_cuda_graph_capture_forward_backward_matches_eager():
     x.requires_grad_(True)
     probs.requires_grad_(True)
     counts = _random_counts(experts, 3000, seed=10).to(DEVICE)
-
-    def step():
-        out, _ = module(x, counts, probs)
-        out.backward(grad_out)
-        return out
-
-    def clear():
-        for leaf in (x, probs, *module.parameters()):
-            leaf.grad = None
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compile the Triton kernels and settle allocations outside the capture
-            clear()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    clear()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_experts_step(module, x, counts, probs, grad_out)
 
     # New rows, probabilities, gradient and a different number of valid rows per expert.
     new_counts = _random_counts(experts, 3500, seed=11, empty=(5,)).to(DEVICE)
     new_x, new_probs, new_grad = _rows(capacity, hidden, seed=12)
-    with torch.no_grad():
-        x.copy_(new_x)
-        probs.copy_(new_probs)
-        grad_out.copy_(new_grad)
-        counts.copy_(new_counts)
+    refill((x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
     graph.replay()
     torch.cuda.synchronize()
     valid = 3500
