@@ -194,10 +194,6 @@ def _name_flags(message: str) -> str:
 
 # ---- checks against Megatron's own arguments ------------------------------------------------------
 
-def _value_flag(name: str, value) -> str:
-    return name if value is True else f"{name} {value}"
-
-
 def _rowwise_conflicts(args) -> list[str]:
     """Megatron options the rowwise dispatcher refuses (megatron_ext.rules, shared with the layer)."""
     return [f"--moe-ext-dispatcher rowwise cannot be combined with {problem}; or use --moe-ext-dispatcher megatron"

@@ -104,7 +104,6 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, sizes: Parallel
     result (killed, os._exit) is reported as soon as it is gone. `wait_all` collects every
     rank's outcome even after one failed (fault tests: what did the survivors say?).
     """
-    kwargs_wait_all = wait_all
     from megatron_ext._cpu import apply_cpu_shims
 
     apply_cpu_shims()
@@ -132,7 +131,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, sizes: Parallel
                                       f"(deadlock or a rank waiting on a failed peer)") from None
                 continue
             outcomes[rank] = (ok, value)
-            if not ok and not kwargs_wait_all:
+            if not ok and not wait_all:
                 break  # peers may now hang in a collective; report what we have
     finally:
         for proc in procs:

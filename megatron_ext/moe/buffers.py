@@ -133,10 +133,10 @@ class LeasePool:
         if slot is None and free:
             slot = free[0]
         if slot is None or slot not in free:
-            what = (f"slot {slot} is" if slot is not None
-                    else f"all {len(self.slots)} dispatch-buffer slot(s) of this MoE layer")
+            what = (f"dispatch-buffer slot {slot} of this MoE layer holds" if slot is not None
+                    else f"all {len(self.slots)} dispatch-buffer slot(s) of this MoE layer hold")
             raise RuntimeError(
-                f"{what} hold(s) a live microbatch (forward ran again before the previous backward); raise "
+                f"{what} a live microbatch (forward ran again before the previous backward); raise "
                 f"--moe-ext-lease-slots (MoEExtConfig.lease_slots) to the number of microbatches in flight per layer")
         self.busy[slot] = True
         if self.poison:

@@ -82,12 +82,9 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
-        # Routes whose router probability is NaN/Inf (from NaN/Inf hidden states or router weights):
-        # they move like any other route (Megatron would compute them too); counted for the metrics.
-        self.nonfinite_routes = (~torch.isfinite(probs)).sum()
         self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
                                compiled=self.ext_config.compile_route_map and hidden.is_cuda,
-                               gather_counts=getattr(self.transport, "gather_counts", None))
+                               gather_counts=getattr(self.transport, "gather_counts", None), probs=probs)
         if self.ext_config.debug_checks:  # host reads: debug only
             check_route_map(self.route_map, self.top_idx, self.num_experts, self.capacity, self.ep_size)
         if self.ext_config.mxfp8_dispatch:

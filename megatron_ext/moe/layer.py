@@ -74,16 +74,17 @@ class RowwiseMoELayer(MoELayer):
         if self._overflow is not None:  # training and evaluation alike: no route dropped silently
             self._overflow.record(self.token_dispatcher.route_map.metrics, self.token_dispatcher.ep_size)
         if self.training:
-            self._accumulate_metrics(self.token_dispatcher.route_map.metrics, self.token_dispatcher.nonfinite_routes)
+            self._accumulate_metrics(self.token_dispatcher.route_map.metrics)
         return output
 
     @torch.no_grad()
-    def _accumulate_metrics(self, metrics, nonfinite_routes: torch.Tensor) -> None:
+    def _accumulate_metrics(self, metrics) -> None:
         """Running device-side sums, updated in place (so CUDA graphs keep updating the same
         tensors): no host read until `read_metrics`."""
         current = (metrics.requested_per_expert.long(), metrics.kept_per_expert.long(),
                    metrics.dropped_routes.long(), metrics.buffer_fill.float(),
-                   torch.ones((), dtype=torch.long, device=metrics.dropped_routes.device), nonfinite_routes.long())
+                   torch.ones((), dtype=torch.long, device=metrics.dropped_routes.device),
+                   metrics.nonfinite_routes.long())
         if self._metrics is None:
             self._metrics = [torch.zeros_like(t) for t in current]
         for total, value in zip(self._metrics, current):

@@ -97,12 +97,19 @@ class BarrierWatchdog:
     def _watch(self) -> None:
         while True:
             time.sleep(self.poll_s)
-            with self._lock:
-                while self._pending and self._pending[0][1].query():
-                    self._pending.popleft()
-                oldest = self._pending[0] if self._pending else None
-            if oldest is not None and time.monotonic() - oldest[2] > self.timeout_s:
-                self.fail(oldest[0])
+            phase = self.overdue()
+            if phase is not None:
+                self.fail(phase)
+
+    def overdue(self) -> str | None:
+        """Drop completed barriers; the phase of the oldest one pending longer than the timeout, if any."""
+        with self._lock:
+            while self._pending and self._pending[0][1].query():
+                self._pending.popleft()
+            oldest = self._pending[0] if self._pending else None
+        if oldest is not None and time.monotonic() - oldest[2] > self.timeout_s:
+            return oldest[0]
+        return None
 
     def fail(self, phase: str) -> None:
         print(f"megatron_ext rowwise MoE: {describe(self.group)} waited {self.timeout_s:.0f} s in the {phase} barrier: "

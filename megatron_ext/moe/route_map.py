@@ -33,6 +33,7 @@ class RouteMetrics:
     kept_per_expert: torch.Tensor  # [E] int32, of those, routes kept under the capacity
     dropped_routes: torch.Tensor  # [] int32, this rank's routes dropped or with an invalid id
     buffer_fill: torch.Tensor  # [] fp32, valid rows in this rank's dispatch buffer / capacity
+    nonfinite_routes: torch.Tensor  # [] int32, this rank's routes whose router probability is NaN/Inf
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def plan_keep(requested: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def build_route_map(top_idx: torch.Tensor, requested_all: torch.Tensor, keep: torch.Tensor,
-                    ep_rank: int, capacity: int) -> RouteMap:
+                    ep_rank: int, capacity: int, probs: torch.Tensor | None = None) -> RouteMap:
     """Destination rank and row for each of this rank's routes, and this rank's receive layout.
 
     Row of a kept route of source `ep_rank` to expert e = d*L + l on destination d:
@@ -180,6 +181,10 @@ def build_route_map(top_idx: torch.Tensor, requested_all: torch.Tensor, keep: to
         kept_per_expert=kept_per_expert.int(),
         dropped_routes=(ids.numel() - kept.sum()).int(),
         buffer_fill=received.float() / max(capacity, 1),
+        # NaN/Inf router probabilities (NaN/Inf hidden states or router weights) move like any other
+        # route, as in Megatron's layer; counted here, inside the fused route-map kernels.
+        nonfinite_routes=(torch.zeros((), dtype=torch.int32, device=device) if probs is None
+                          else (~torch.isfinite(probs)).sum().int()),
     )
     return RouteMap(dest_rank=dest_rank, dest_row=dest_row, recv_counts=recv_counts.int(),
                     recv_offsets=recv_offsets.int(), row_source=row_source, metrics=metrics)
@@ -199,9 +204,9 @@ def all_gather_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     return gathered.view(size, counts.numel())
 
 
-def _plan_and_build(top_idx, requested_all, ep_rank: int, capacity: int) -> tuple:
+def _plan_and_build(top_idx, requested_all, ep_rank: int, capacity: int, probs=None) -> tuple:
     keep = plan_keep(requested_all, capacity)
-    route_map = build_route_map(top_idx, requested_all, keep, ep_rank, capacity)
+    route_map = build_route_map(top_idx, requested_all, keep, ep_rank, capacity, probs)
     return (route_map.dest_rank, route_map.dest_row, route_map.recv_counts, route_map.recv_offsets,
             route_map.row_source, *vars(route_map.metrics).values())
 
@@ -233,14 +238,15 @@ _fused_plan_and_build = _fused(_plan_and_build)
 
 
 def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None, compiled: bool = False,
-          gather_counts=None, ep_rank: int | None = None) -> RouteMap:
+          gather_counts=None, ep_rank: int | None = None, probs: torch.Tensor | None = None) -> RouteMap:
     """Count, all-gather over the EP group, plan the keep decision, build this rank's map.
 
     `compiled=True` fuses the planning and map building with torch.compile (GPU training:
     identical results, far fewer kernel launches); the count all-gather stays outside.
     `gather_counts(counts [E]) -> [M, E]` replaces the NCCL/gloo all-gather (the symm
     transport exchanges counts over symmetric memory); `ep_rank` then names this rank when no
-    process group does (simulated peers in tests).
+    process group does (simulated peers in tests). `probs` [T, K], when given, feeds the
+    nonfinite_routes metric.
     """
     if ep_rank is None:
         ep_rank = 0 if group is None else dist.get_rank(group)
@@ -253,8 +259,9 @@ def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None, co
         with named_phase("route-count exchange", group):
             requested_all = all_gather_counts(counts, group)
     plan_and_build = _fused_plan_and_build if compiled else _plan_and_build
-    *maps, requested, kept, dropped, fill = plan_and_build(top_idx, requested_all, ep_rank, capacity)
-    return RouteMap(*maps, RouteMetrics(requested, kept, dropped, fill))
+    *maps, requested, kept, dropped, fill, nonfinite = plan_and_build(top_idx, requested_all, ep_rank, capacity,
+                                                                     probs)
+    return RouteMap(*maps, RouteMetrics(requested, kept, dropped, fill, nonfinite))
 
 
 def check_route_map(route_map: RouteMap, top_idx: torch.Tensor, num_experts: int, capacity: int, ep_size: int) -> None:

@@ -2,7 +2,7 @@
 training resumes from it, with megatron_ext's MoE layers in the model.
 
 The mechanism is Megatron's own, unchanged: `megatron.training.checkpointing.save_checkpoint`
-(torch_dist: every rank writes its shard files into `iter_XXXXXXX/`, rank 0 writes
+(torch_dist: every rank writes its shard files into the iteration folder `iter_<7-digit iteration>/`, rank 0 writes
 `metadata.json` after a barrier, and only then `latest_checkpointed_iteration.txt`) and
 `load_checkpoint`, here with Megatron's FP32Optimizer around torch Adam so the optimizer state
 travels too. Run 1 (2 gloo ranks, EP=2, RowwiseMoELayer + grouped experts) trains iteration 1,

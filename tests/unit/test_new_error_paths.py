@@ -1,0 +1,71 @@
+"""The failure modes added with the EP>1, faults and structure work: each a clear error, tested."""
+
+import time
+
+import pytest
+import torch
+
+from megatron_ext import specs
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.moe.buffers import LeasePool, allocate_symmetric
+from megatron_ext.moe.peer_failure import BarrierWatchdog
+
+
+def test_te_specs_without_transformer_engine_name_the_local_setting(monkeypatch):
+    monkeypatch.setattr(specs, "transformer_engine_available", lambda: False)
+    with pytest.raises(ImportError, match=r"use_te=False.*megatron-ext\[te\]"):
+        specs.gpt_layer_spec(4, use_te=True)
+
+
+def test_ddp_buckets_is_refused_by_the_layer_builder():
+    with pytest.raises(ValueError, match="install_folding_ddp"):
+        specs.moe_builder(MoEExtConfig(ddp_buckets=True))
+
+
+@pytest.mark.parametrize("value,error,match", [(0, ValueError, "peer_timeout_s must be > 0"),
+                                               (float("inf"), ValueError, "peer_timeout_s must be > 0"),
+                                               ("30", TypeError, "peer_timeout_s must be a number")])
+def test_peer_timeout_is_validated(value, error, match):
+    with pytest.raises(error, match=match):
+        MoEExtConfig(peer_timeout_s=value)
+
+
+def test_mxfp8_payload_of_another_shape_is_refused():
+    from megatron_ext.formats.mxfp8 import packed_row_bytes
+    from megatron_ext.moe.mxfp8_dispatch import MXFP8Payload, payload_fc1
+
+    payload = MXFP8Payload(torch.zeros(8, packed_row_bytes(64), dtype=torch.uint8), 64, torch.float32)
+    anchor = torch.zeros(()).expand(16, 64)  # rows of another dispatch
+    with pytest.raises(ValueError, match="pass the dispatcher's output and its MXFP8Rows together"):
+        payload_fc1(anchor, torch.zeros(2, 32, 64), torch.tensor([4, 8], dtype=torch.int32), payload)
+
+
+def test_a_graph_slot_whose_lease_is_busy_is_an_error():
+    pool = LeasePool([allocate_symmetric((4, 8), torch.float32, torch.device("cpu"), None) for _ in range(2)])
+    pool.acquire(slot=1)
+    assert pool.acquire().slot == 0  # the first free one
+    with pytest.raises(RuntimeError, match="dispatch-buffer slot 1 of this MoE layer holds a live microbatch"):
+        pool.acquire(slot=1)
+
+
+class _Event:
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def test_watchdog_names_the_overdue_phase_and_ends_the_process(monkeypatch, capsys):
+    watchdog = BarrierWatchdog(timeout_s=0.05, group=None)
+    watchdog._pending.extend([("dispatch", _Event(True), time.monotonic() - 1),
+                              ("combine", _Event(False), time.monotonic() - 1)])
+    assert watchdog.overdue() == "combine"  # the completed dispatch barrier was dropped
+    exits = []
+    monkeypatch.setattr("os._exit", exits.append)
+    watchdog.fail("combine")
+    assert exits == [1]
+    assert "waited 0 s in the combine barrier" in capsys.readouterr().err
+    fresh = BarrierWatchdog(timeout_s=60, group=None)
+    fresh._pending.append(("dispatch", _Event(False), time.monotonic()))
+    assert fresh.overdue() is None  # pending, but within the timeout
