@@ -62,7 +62,18 @@ def capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], object], pool=None):
     if end_error is None:
         graph.reset()  # a valid but partial graph: drop it (and its hold on the pool)
     cause = body_error or end_error
-    raise CaptureFailed(f"{type(cause).__name__}: {cause}".strip()) from cause
+    raise CaptureFailed(f"{type(cause).__name__}: {cause}".strip() + _hint(cause)) from cause
+
+
+def _hint(cause: BaseException) -> str:
+    """What to change for the failures users can fix."""
+    if "legacy stream" in str(cause):
+        # The autograd engine syncs each parameter's gradient accumulator on the stream it was
+        # created on; wrappers such as Megatron's DDP create them at construction time.
+        return ("; hint: the parameters' gradient accumulators were created on the default (legacy) CUDA "
+                "stream, e.g. by constructing Megatron's DistributedDataParallel there: construct it inside "
+                "`with torch.cuda.stream(torch.cuda.Stream()):`, as Megatron's training does")
+    return ""
 
 
 def _clear_rng_capture_flag() -> None:

@@ -5,7 +5,8 @@ combine, and their backward) becomes two graph launches per microbatch. Costs ac
 set of static buffers and saved activations per slot (slots = microbatches alive in the layer
 at once, from the pipeline schedule), copies of the input and output gradient into the slot's
 static tensors, a capture at the first training forward, and at EP > 1 one all-reduce after
-it so that every rank replays or every rank runs eagerly.
+it so that every rank replays or every rank runs eagerly. Parameter gradients reach Megatron's
+DDP without a copy (see hand_over).
 
 Slots and leases agree by construction: graph slot i's forward is captured while slots
 0..i-1 still hold their dispatch-buffer leases, so it bakes in pool slot i; the layer's
@@ -79,6 +80,7 @@ class _ReplaySlot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, runner, slot, *params):
         ctx.runner, ctx.slot = runner, slot
+        runner._unalias_param_grads()
         slot.input.copy_(hidden)
         slot.forward_graph.replay()
         runner._watch("graphed MoE layer forward")
@@ -86,13 +88,30 @@ class _ReplaySlot(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        slot = ctx.slot
+        slot, runner = ctx.slot, ctx.runner
+        runner._unalias_param_grads()
         slot.grad_output.copy_(grad_output)
         slot.backward_graph.replay()
-        ctx.runner._watch("graphed MoE layer backward")
-        ctx.runner._release(slot)
+        runner._watch("graphed MoE layer backward")
+        runner._release(slot)
         grad_input, *param_grads = slot.grads
-        return (grad_input, None, None, *param_grads)
+        return (grad_input, None, None, *(hand_over(p, g) for p, g in zip(runner.params, param_grads)))
+
+
+def hand_over(param, static_grad):
+    """What autograd gets for `param` from a replay: the slot's static gradient buffer.
+
+    Under Megatron's DDP (and FSDP) a parameter carries `grad_added_to_main_grad` and their hook
+    consumes param.grad right after accumulation (adds it to main_grad, drops it). There the
+    buffer goes as a detached alias, which AccumulateGrad takes without a copy: the copy it makes
+    of a tensor someone else holds cost ~0.4 ms per step at the reference shape (the expert
+    weights' gradients), enough to make graphs slower than eager. Elsewhere autograd keeps
+    copying: an alias kept past the next replay of this layer's graphs would be overwritten
+    (the slots share one memory pool). `_unalias_param_grads` guards the first case too.
+    """
+    if static_grad is None:
+        return None
+    return static_grad.detach() if hasattr(param, "grad_added_to_main_grad") else static_grad
 
 
 class GraphedMoELayer:
@@ -181,6 +200,16 @@ class GraphedMoELayer:
         watchdog = getattr(getattr(getattr(self.layer, "token_dispatcher", None), "transport", None), "watchdog", None)
         if watchdog is not None:
             watchdog.record(phase)
+
+    def _unalias_param_grads(self) -> None:
+        """Before any replay: a param.grad that is still an alias of a static gradient buffer (a
+        hook that did not consume it, see hand_over) gets its own copy, as it would have had."""
+        if self.slots is None:
+            return
+        static = {g.untyped_storage().data_ptr() for slot in self.slots for g in slot.grads[1:] if g is not None}
+        for param in self.params:
+            if param.grad is not None and param.grad.untyped_storage().data_ptr() in static:
+                param.grad = param.grad.clone()
 
     def _lease_pool(self):
         return getattr(getattr(getattr(self.layer, "token_dispatcher", None), "transport", None), "pool", None)

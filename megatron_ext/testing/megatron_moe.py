@@ -78,3 +78,21 @@ def rank_tokens(rank: int, tokens: int, hidden: int, dtype=torch.float32, seed: 
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     grad_out = torch.randn(tokens, hidden, generator=gen).to(dtype)
     return x, grad_out
+
+
+def megatron_ddp(module, grad_reduce_in_fp32: bool = True):
+    """`module` in Megatron's DistributedDataParallel as its training builds it: on a side stream, so
+    the gradient accumulators DDP keeps are not tied to the legacy default stream (CUDA-graph
+    capture would fail on them), with fp32 main_grad (bf16 training accumulates in fp32)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+    if stream is None:
+        return DistributedDataParallel(module.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=grad_reduce_in_fp32), module)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=grad_reduce_in_fp32), module)
+    torch.cuda.current_stream().wait_stream(stream)
+    return ddp

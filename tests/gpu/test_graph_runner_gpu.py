@@ -6,7 +6,7 @@ import torch
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.specs import moe_builder
-from megatron_ext.testing.megatron_moe import load_weights, moe_config
+from megatron_ext.testing.megatron_moe import load_weights, megatron_ddp, moe_config
 from megatron_ext.testing.reference import MoEWeights
 
 pytestmark = pytest.mark.gpu
@@ -161,3 +161,51 @@ def test_runner_after_eager_training_steps_and_eval(weights):
     with torch.no_grad():  # evaluation after capture: the replay slots do not hold the leases now
         layer.eval(), twin.eval()
         assert torch.equal(layer(batches[0][0])[0], twin(batches[0][0])[0])
+
+
+
+def _param_grads(layer):
+    return [p.grad.float().clone() for p in layer.parameters() if p.grad is not None]
+
+
+def test_plain_autograd_accumulation_over_replays_equals_eager(weights):
+    """Without Megatron's DDP, grads kept across steps (never cleared) sum as in eager: the
+    replay's static buffers never become param.grad themselves."""
+    eager, graphed = make_layer(weights), make_layer(weights, cuda_graphs=True)
+    batches = [microbatch(80 + i) for i in range(3)]
+    run_pipelined(graphed, batches[:1])  # captures
+    for model in (eager, graphed):
+        for p in model.parameters():
+            p.grad = None
+        for x, g in batches:
+            out, _ = model(x.clone().requires_grad_(True))
+            out.backward(g)
+    static = {g.data_ptr() for g in graphed._graph_runner.slots[0].grads[1:] if g is not None}
+    assert not any(p.grad.data_ptr() in static for p in graphed.parameters())
+    for got, want in zip(_param_grads(graphed), _param_grads(eager)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_replay_under_megatron_ddp_matches_eager_without_copying_grads(weights):
+    """Under Megatron's DDP the replay's parameter gradients reach main_grad without a copy (the
+    step allocates far less than the expert weights' size) and main_grad equals eager's."""
+    eager_ddp, graphed_ddp = megatron_ddp(make_layer(weights)), megatron_ddp(make_layer(weights, cuda_graphs=True))
+    expert_bytes = sum(p.numel() * p.element_size() for p in graphed_ddp.module.experts.parameters())
+    batches = [microbatch(90 + i) for i in range(4)]
+    for ddp in (eager_ddp, graphed_ddp):
+        ddp.zero_grad_buffer()
+        for step, (x, g) in enumerate(batches):
+            x = x.clone().requires_grad_(True)
+            torch.cuda.synchronize()
+            allocated = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
+            out, _ = ddp(x)
+            out.backward(g)
+            torch.cuda.synchronize()
+            if ddp is graphed_ddp and step > 0:  # step 0 captured
+                fresh = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - allocated
+                assert fresh < expert_bytes / 4, f"a replayed step allocated {fresh} bytes: gradients copied"
+        ddp.finish_grad_sync()
+    assert graphed_ddp.module._graph_runner.eager_reason is None, graphed_ddp.module._graph_runner.eager_reason
+    for p_graph, p_eager in zip(graphed_ddp.module.parameters(), eager_ddp.module.parameters()):
+        assert p_graph.grad is None
+        torch.testing.assert_close(p_graph.main_grad, p_eager.main_grad, rtol=2e-2, atol=2e-2)
