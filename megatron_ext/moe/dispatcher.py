@@ -15,6 +15,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_ext.config import MoEExtConfig
+from megatron_ext.moe import fused_routes
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, dispatch_row_bytes, dispatch_rows_mxfp8
 from megatron_ext.moe.route_map import RouteMap, check_route_map, route
@@ -49,6 +50,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.row_bytes = 0  # bytes per dispatched row (BF16 or packed MXFP8), set at dispatch
         self.routes_per_step = 0
         self.top_idx: torch.Tensor | None = None
+        self.selection: fused_routes.Selection | None = None  # from dispatch_preprocess to token_dispatch
         self.payload = None  # MXFP8 payload between token_dispatch and dispatch_postprocess
         self.cudagraph_attrs = ["route_map", "top_idx"]
 
@@ -73,8 +75,11 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = tokens.shape
         hidden = tokens.reshape(-1, tokens.shape[-1])
         self._ensure_transport(hidden.shape[0], hidden.device)
-        self.top_idx = routing_map_to_topk(routing_map, self.topk)
-        top_probs = probs.gather(1, self.top_idx).float()
+        if self.ext_config.fused_route_map and hidden.is_cuda:
+            self.top_idx, top_probs, self.selection = fused_routes.select(routing_map, probs, self.topk)
+        else:
+            self.top_idx, self.selection = routing_map_to_topk(routing_map, self.topk), None
+            top_probs = probs.gather(1, self.top_idx).float()
         if self.config.moe_apply_probs_on_input:  # top-1 (rules.moe_problems): the experts see p * x, as
             hidden = (top_probs * hidden).to(hidden.dtype)  # in Megatron's experts; combine then weights by 1
             top_probs = torch.ones_like(top_probs)
@@ -82,9 +87,14 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
-        self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
-                               compiled=self.ext_config.compile_route_map and hidden.is_cuda,
-                               gather_counts=getattr(self.transport, "gather_counts", None), probs=probs)
+        gather_counts = getattr(self.transport, "gather_counts", None)
+        if self.selection is not None:
+            self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
+                                                need_row_source=getattr(self.transport, "reads_row_source", True))
+            self.selection = None
+        else:
+            self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
+                                   gather_counts=gather_counts, probs=probs)
         if self.ext_config.debug_checks:  # host reads: debug only
             check_route_map(self.route_map, self.top_idx, self.num_experts, self.capacity, self.ep_size)
         if self.ext_config.mxfp8_dispatch:
@@ -120,5 +130,6 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
 
     def kept_route_mask(self) -> torch.Tensor:
         """[T, E] bool: which (token, expert) routes of the last forward were kept."""
-        kept = torch.zeros(self.top_idx.shape[0], self.num_experts, dtype=torch.bool, device=self.top_idx.device)
-        return kept.scatter_(1, self.top_idx, self.route_map.dest_row >= 0)
+        kept = torch.zeros(self.top_idx.shape[0], self.num_experts + 1, dtype=torch.bool, device=self.top_idx.device)
+        column = torch.where(self.top_idx >= 0, self.top_idx, self.num_experts).long()  # empty slots: spare column
+        return kept.scatter_(1, column, self.route_map.dest_row >= 0)[:, :self.num_experts]

@@ -18,7 +18,6 @@ valid rows are packed from row 0 and the tail up to `capacity` is never written.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,8 @@ class RouteMap:
     dest_row: torch.Tensor  # [T, K] int32, row in the destination's buffer; -1 dropped/invalid
     recv_counts: torch.Tensor  # [L] int32, rows this rank receives per local expert
     recv_offsets: torch.Tensor  # [L] int32, cumulative end offsets (torch._grouped_mm form)
-    row_source: torch.Tensor  # [capacity] int32, source rank writing each row; -1 past the end
+    row_source: torch.Tensor | None  # [capacity] int32, source rank writing each row; -1 past the end
+    # (None where the transport does not read it: the symm transport's kernels do not)
     metrics: RouteMetrics
 
 
@@ -165,15 +165,10 @@ def build_route_map(top_idx: torch.Tensor, requested_all: torch.Tensor, keep: to
     dest_row = torch.where(kept, row, -1).int().reshape(num_tokens, topk)
     dest_rank = torch.where(kept, expert // local, -1).int().reshape(num_tokens, topk)
 
-    # Receive side: this rank's buckets in buffer order (l, s); their cumulative ends give the
-    # writer of each row by binary search, with a fixed [capacity] output.
     mine = keep[:, ep_rank * local:(ep_rank + 1) * local]  # [s, l]
     recv_counts = mine.sum(0)
     recv_offsets = torch.cumsum(recv_counts, 0)
-    bucket_ends = torch.cumsum(mine.t().reshape(-1), 0)  # [L * M], bucket l * M + s
-    rows = torch.arange(capacity, device=device)
-    bucket = torch.searchsorted(bucket_ends, rows, right=True)
-    row_source = torch.where(bucket < bucket_ends.numel(), bucket % m, -1).int()
+    row_source = rows_by_source(mine.t(), capacity)
 
     received = recv_offsets[-1]
     metrics = RouteMetrics(
@@ -182,12 +177,23 @@ def build_route_map(top_idx: torch.Tensor, requested_all: torch.Tensor, keep: to
         dropped_routes=(ids.numel() - kept.sum()).int(),
         buffer_fill=received.float() / max(capacity, 1),
         # NaN/Inf router probabilities (NaN/Inf hidden states or router weights) move like any other
-        # route, as in Megatron's layer; counted here, inside the fused route-map kernels.
+        # route, as in Megatron's layer; counted here (and in the fused select kernel on GPUs).
         nonfinite_routes=(torch.zeros((), dtype=torch.int32, device=device) if probs is None
                           else (~torch.isfinite(probs)).sum().int()),
     )
     return RouteMap(dest_rank=dest_rank, dest_row=dest_row, recv_counts=recv_counts.int(),
                     recv_offsets=recv_offsets.int(), row_source=row_source, metrics=metrics)
+
+
+def rows_by_source(mine: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[capacity] int32 source rank writing each row of this rank's buffer (-1 past the end), from
+    its kept rows per bucket `mine` [L, M] (buffer order: local expert, then source): the
+    buckets' cumulative ends give each row's writer by binary search, with a fixed output shape."""
+    m = mine.shape[1]
+    bucket_ends = torch.cumsum(mine.reshape(-1).long(), 0)  # [L * M], bucket l * M + s
+    rows = torch.arange(capacity, device=mine.device)
+    bucket = torch.searchsorted(bucket_ends, rows, right=True)
+    return torch.where(bucket < bucket_ends.numel(), bucket % m, -1).int()
 
 
 # torch renamed all_gather_into_tensor to all_gather_single (2.13 warns on the old name; 2.11 lacks the new one)
@@ -204,64 +210,31 @@ def all_gather_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     return gathered.view(size, counts.numel())
 
 
-def _plan_and_build(top_idx, requested_all, ep_rank: int, capacity: int, probs=None) -> tuple:
-    keep = plan_keep(requested_all, capacity)
-    route_map = build_route_map(top_idx, requested_all, keep, ep_rank, capacity, probs)
-    return (route_map.dest_rank, route_map.dest_row, route_map.recv_counts, route_map.recv_offsets,
-            route_map.row_source, *vars(route_map.metrics).values())
+def exchange_counts(counts: torch.Tensor, group=None, gather_counts=None, ep_rank: int | None = None):
+    """This rank's [E] route counts -> ([M, E] of every EP rank, this rank's index): through the
+    transport's `gather_counts` where it has one, else an all-gather over `group`."""
+    if ep_rank is None:
+        ep_rank = 0 if group is None else dist.get_rank(group)
+    if gather_counts is not None:
+        return gather_counts(counts), ep_rank
+    from megatron_ext.moe.peer_failure import named_phase
+
+    with named_phase("route-count exchange", group):
+        return all_gather_counts(counts, group), ep_rank
 
 
-_compiled_plan_and_build = None
-
-
-def _fused(fn):
-    """`fn` compiled by torch.compile on first use (one set of fused kernels instead of ~90 small
-    ops, i.e. ~1.5 ms less host submission per layer); falls back to eager, with a warning, if
-    compilation fails on this torch build."""
-    def run(*args):
-        global _compiled_plan_and_build
-        if _compiled_plan_and_build is None:
-            _compiled_plan_and_build = torch.compile(fn, dynamic=False)
-        if _compiled_plan_and_build is fn:
-            return fn(*args)
-        try:
-            return _compiled_plan_and_build(*args)
-        except Exception as error:  # noqa: BLE001 - any compiler failure: keep training, eagerly
-            warnings.warn(f"megatron_ext: torch.compile of the route map failed ({type(error).__name__}: "
-                          f"{error}); running it eagerly (more host time per layer)")
-            _compiled_plan_and_build = fn
-            return fn(*args)
-    return run
-
-
-_fused_plan_and_build = _fused(_plan_and_build)
-
-
-def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None, compiled: bool = False,
+def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None,
           gather_counts=None, ep_rank: int | None = None, probs: torch.Tensor | None = None) -> RouteMap:
     """Count, all-gather over the EP group, plan the keep decision, build this rank's map.
 
-    `compiled=True` fuses the planning and map building with torch.compile (GPU training:
-    identical results, far fewer kernel launches); the count all-gather stays outside.
-    `gather_counts(counts [E]) -> [M, E]` replaces the NCCL/gloo all-gather (the symm
-    transport exchanges counts over symmetric memory); `ep_rank` then names this rank when no
-    process group does (simulated peers in tests). `probs` [T, K], when given, feeds the
-    nonfinite_routes metric.
+    The torch form: CPU ranks, tests and `fused_route_map=False`; GPUs run the same plan in
+    Triton kernels (moe/fused_routes.py). `gather_counts(counts [E]) -> [M, E]` replaces the
+    NCCL/gloo all-gather (the symm transport exchanges counts over symmetric memory); `ep_rank`
+    then names this rank when no process group does (simulated peers in tests). `probs` [T, K],
+    when given, feeds the nonfinite_routes metric.
     """
-    if ep_rank is None:
-        ep_rank = 0 if group is None else dist.get_rank(group)
-    counts = count_routes(top_idx, num_experts)
-    if gather_counts is not None:
-        requested_all = gather_counts(counts)
-    else:
-        from megatron_ext.moe.peer_failure import named_phase
-
-        with named_phase("route-count exchange", group):
-            requested_all = all_gather_counts(counts, group)
-    plan_and_build = _fused_plan_and_build if compiled else _plan_and_build
-    *maps, requested, kept, dropped, fill, nonfinite = plan_and_build(top_idx, requested_all, ep_rank, capacity,
-                                                                     probs)
-    return RouteMap(*maps, RouteMetrics(requested, kept, dropped, fill, nonfinite))
+    requested_all, ep_rank = exchange_counts(count_routes(top_idx, num_experts), group, gather_counts, ep_rank)
+    return build_route_map(top_idx, requested_all, plan_keep(requested_all, capacity), ep_rank, capacity, probs)
 
 
 def check_route_map(route_map: RouteMap, top_idx: torch.Tensor, num_experts: int, capacity: int, ep_size: int) -> None:

@@ -131,19 +131,31 @@ def test_profiler_check_sees_megatron_alltoall_syncs(weights):
     assert profiled_sync_calls(functools.partial(run_step, layer, x, g)), "the check must be able to fail"
 
 
-def test_compiled_route_map_equals_eager():
+@pytest.mark.parametrize("experts,topk", [(64, 8), (256, 8), (12, 3)])
+def test_fused_route_map_equals_torch_route_map(experts, topk):
+    from megatron_ext.moe import fused_routes
+    from megatron_ext.moe.dispatcher import routing_map_to_topk
     from megatron_ext.moe.route_map import route
 
     gen = torch.Generator(device="cuda").manual_seed(9)
-    for capacity in (4096, 20000):  # with and without drops
-        logits = torch.randn(4096, 64, device="cuda", generator=gen)
+    for tokens, capacity in ((4096, 4096), (4096, 40000), (1000, 700)):  # with and without drops
+        logits = torch.randn(tokens, experts, device="cuda", generator=gen)
         logits[:, :4] += 2.0  # skew towards a few experts
-        top_idx = logits.topk(8, dim=1).indices
-        eager = route(top_idx, 64, capacity)
-        compiled = route(top_idx, 64, capacity, compiled=True)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(topk, dim=1).indices, True)
+        probs = torch.softmax(logits, dim=1) * routing_map
+        top_idx = routing_map_to_topk(routing_map, topk)
+        want = route(top_idx, experts, capacity, probs=probs.gather(1, top_idx))
+        got_idx, got_probs, selection = fused_routes.select(routing_map, probs, topk)
+        got = fused_routes.route(selection, topk, capacity)
+        case = f"T={tokens} C={capacity}"
+        assert torch.equal(got_idx.long(), top_idx), f"{case}: top-k ids differ"
+        assert torch.equal(got_probs, probs.gather(1, top_idx)), f"{case}: top-k probabilities differ"
         for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets", "row_source"):
-            assert torch.equal(getattr(eager, name), getattr(compiled, name)), f"compiled {name} differs"
-        assert torch.equal(eager.metrics.dropped_routes, compiled.metrics.dropped_routes)
+            assert torch.equal(getattr(want, name).long(), getattr(got, name).long()), f"{case}: fused {name} differs"
+        for name in ("dropped_routes", "kept_per_expert", "requested_per_expert"):
+            assert torch.equal(getattr(want.metrics, name), getattr(got.metrics, name)), f"{case}: {name} differs"
+        # torch divides by a host scalar as a multiply by its reciprocal on GPUs: equal within an ulp
+        torch.testing.assert_close(got.metrics.buffer_fill, want.metrics.buffer_fill, rtol=1e-6, atol=0)
 
 
 def test_mxfp8_dispatch_on_gpu(weights):

@@ -29,6 +29,7 @@ from megatron_ext.moe.route_map import RouteMap
 
 class RowTransport(Protocol):
     capacity: int
+    reads_row_source: bool  # whether it reads RouteMap.row_source (absent: assumed True)
 
     def dispatch(self, tokens: torch.Tensor, route: RouteMap) -> tuple[torch.Tensor, object]: ...
 

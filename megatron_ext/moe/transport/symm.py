@@ -38,6 +38,8 @@ _PHASE_OF_ROLE = {"combine_source": "combine", "dispatch_grad": "dispatch backwa
 
 
 class SymmRowTransport:
+    reads_row_source = False  # its kernels need no per-row writer (route maps leave it None)
+
     def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False,
                  heap: SymmetricHeap | None = None, rank: int | None = None, world: int | None = None,
                  timeout_s: float | None = None):

@@ -1,0 +1,192 @@
+"""The route map in three Triton kernels (docs/design.md, "Route map"): the same plan and rows as
+moe/route_map.py's torch form, from Megatron's [T, E] routing map directly.
+
+Cost removed: ~25 small torch ops per layer forward (top-k ids from the routing map, probability
+gather, counts, the keep plan, a stable sort for positions) or, compiled, a torch.compile call
+with its guards, runtime wrappers and ~16 launches: about 1 ms of host time per layer. Cost
+accepted: the routing map is read twice (select, then place), and a place program sums the
+per-block expert histograms of all earlier token blocks (O(blocks^2 * E) small loads).
+
+  select  [T, E] routing map + probs -> top-k ids [T, K] (ascending), their probs (fp32),
+          per-expert counts [E], per-block histograms [B, E], non-finite probability count
+  plan    per destination rank: max-min fair water-filling of its (local expert, source)
+          buckets into `capacity` rows (binary search for the level, rotating remainder)
+  place   per route: position among this rank's routes to its expert (tokens in order),
+          kept iff below the plan's keep, row = the expert's and source's base + position
+A token's k-th route is its k-th selected expert in ascending order, so "earlier routes win"
+means earlier tokens win, as in the torch form.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_TOKENS = 32
+
+
+@triton.jit
+def _select_kernel(map_ptr, probs_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr,
+                   T, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    block = tl.program_id(0)
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    inside = (tokens[:, None] < T) & (experts[None, :] < E)
+    offsets = tokens[:, None].to(tl.int64) * E + experts[None, :]
+    selected = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
+    slot = tl.cumsum(selected.to(tl.int32), axis=1) - 1  # k of each selected expert (ascending ids)
+    probs = tl.load(probs_ptr + offsets, mask=selected, other=0.0).to(tl.float32)
+    writes = selected & (slot < K)
+    out = tokens[:, None].to(tl.int64) * K + slot
+    tl.store(top_idx_ptr + out, (experts[None, :] + tl.zeros_like(slot)).to(tl.int32), mask=writes)
+    tl.store(top_probs_ptr + out, probs, mask=writes)
+    # Slots a token leaves empty (fewer than K experts selected) stay -1: invalid routes.
+    per_token = tl.sum(writes.to(tl.int32), axis=1)
+    ks = tl.arange(0, BLOCK_K)
+    empty = (tokens[:, None] < T) & (ks[None, :] >= per_token[:, None]) & (ks[None, :] < K)
+    empty_out = tokens[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(top_idx_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
+    tl.store(top_probs_ptr + empty_out, tl.zeros([BLOCK_T, BLOCK_K], tl.float32), mask=empty)
+    block_counts = tl.sum(writes.to(tl.int32), axis=0)
+    tl.store(hist_ptr + block * E + experts, block_counts, mask=experts < E)
+    tl.atomic_add(counts_ptr + experts, block_counts, mask=experts < E)
+    bad = writes & ((probs != probs) | (tl.abs(probs) == float("inf")))
+    tl.atomic_add(nonfinite_ptr, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _plan_kernel(requested_ptr, keep_mine_ptr, row_base_ptr, requested_out_ptr, kept_out_ptr,
+                 recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, capacity, rank, M, E, L,
+                 BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr):
+    dest = tl.program_id(0)
+    local = tl.arange(0, BLOCK_L)[:, None]  # [L, 1]
+    source = tl.arange(0, BLOCK_M)[None, :]  # [1, M]
+    inside = (local < L) & (source < M)
+    expert = dest * L + local
+    req = tl.load(requested_ptr + source * E + expert, mask=inside, other=0).to(tl.int64)
+    n = L * M
+    bucket = local * M + source  # the plan orders buckets l-major, then source
+    total = tl.sum(tl.sum(req, axis=1), axis=0)
+    # Largest integer level with sum(min(req, level)) <= capacity, by binary search.
+    low = total * 0
+    high = tl.max(tl.max(req, axis=1), axis=0)
+    for _ in range(40):
+        mid = (low + high + 1) // 2
+        fits = tl.sum(tl.sum(tl.minimum(req, mid), axis=1), axis=0) <= capacity
+        low = tl.where(fits, mid, low)
+        high = tl.where(fits, high, mid - 1)
+    level = low
+    base = tl.minimum(req, level)
+    remainder = capacity - tl.sum(tl.sum(base, axis=1), axis=0)
+    # The remainder goes one row each to buckets still wanting more, in bucket order rotated to
+    # start at total mod n: exclusive count of wanting buckets before each one in that order.
+    wanting = ((req > level) & inside).to(tl.int64)
+    row_totals = tl.sum(wanting, axis=1)
+    before_row = tl.cumsum(row_totals, axis=0) - row_totals
+    before = tl.cumsum(wanting, axis=1) - wanting + before_row[:, None]  # natural bucket order
+    start = total % n
+    before_start = tl.sum(tl.sum(tl.where((bucket == start) & inside, before, 0), axis=1), axis=0)
+    all_wanting = tl.sum(row_totals, axis=0)
+    rotated = tl.where(bucket >= start, before - before_start, all_wanting - before_start + before)
+    extra = (wanting != 0) & (rotated < remainder)
+    keep = tl.where(total <= capacity, req, base + extra.to(tl.int64))
+    keep = tl.where(inside, keep, 0)
+
+    in_expert = tl.arange(0, BLOCK_L) < L
+    experts = dest * L + tl.arange(0, BLOCK_L)
+    kept = tl.sum(keep, axis=1)  # per local expert of this destination, all sources
+    expert_base = tl.cumsum(kept, axis=0) - kept
+    source_base = tl.sum(tl.where(source < rank, keep, 0), axis=1)
+    tl.store(keep_mine_ptr + experts, tl.sum(tl.where(source == rank, keep, 0), axis=1).to(tl.int32),
+             mask=in_expert)
+    tl.store(row_base_ptr + experts, (expert_base + source_base).to(tl.int32), mask=in_expert)
+    tl.store(requested_out_ptr + experts, tl.sum(req, axis=1).to(tl.int32), mask=in_expert)
+    tl.store(kept_out_ptr + experts, kept.to(tl.int32), mask=in_expert)
+    is_mine = dest == rank
+    lanes = tl.arange(0, BLOCK_L)
+    tl.store(recv_counts_ptr + lanes, kept.to(tl.int32), mask=in_expert & is_mine)
+    tl.store(recv_offsets_ptr + lanes, tl.cumsum(kept, axis=0).to(tl.int32), mask=in_expert & is_mine)
+    tl.store(mine_ptr + local * M + source, keep.to(tl.int32), mask=inside & is_mine)  # [l, s]
+    received = tl.sum(kept, axis=0).to(tl.float32)
+    tl.store(fill_ptr, tl.div_rn(received, tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)  # IEEE, as torch
+
+
+@triton.jit
+def _place_kernel(map_ptr, hist_ptr, keep_mine_ptr, row_base_ptr, dest_rank_ptr, dest_row_ptr, dropped_ptr,
+                  T, E, L, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    block = tl.program_id(0)
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    in_experts = experts < E
+    inside = (tokens[:, None] < T) & in_experts[None, :]
+    offsets = tokens[:, None].to(tl.int64) * E + experts[None, :]
+    selected = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
+    slot = tl.cumsum(selected.to(tl.int32), axis=1) - 1
+    routes = selected & (slot < K)
+    earlier = tl.zeros([BLOCK_E], dtype=tl.int32)  # this rank's routes to each expert in earlier blocks
+    for previous in range(0, block):
+        earlier += tl.load(hist_ptr + previous * E + experts, mask=in_experts, other=0)
+    routes_i = routes.to(tl.int32)
+    position = earlier[None, :] + tl.cumsum(routes_i, axis=0) - routes_i
+    keep = tl.load(keep_mine_ptr + experts, mask=in_experts, other=0)
+    kept = routes & (position < keep[None, :])
+    row = tl.load(row_base_ptr + experts, mask=in_experts, other=0)[None, :] + position
+    out = tokens[:, None].to(tl.int64) * K + slot
+    tl.store(dest_row_ptr + out, tl.where(kept, row, -1), mask=routes)
+    tl.store(dest_rank_ptr + out, tl.where(kept, experts[None, :] // L, -1), mask=routes)
+    per_token = tl.sum(routes_i, axis=1)
+    ks = tl.arange(0, BLOCK_K)
+    empty = (tokens[:, None] < T) & (ks[None, :] >= per_token[:, None]) & (ks[None, :] < K)
+    empty_out = tokens[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(dest_row_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
+    tl.store(dest_rank_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
+    not_kept = tl.sum(tl.where(tokens < T, K - tl.sum(kept.to(tl.int32), axis=1), 0), axis=0)
+    tl.atomic_add(dropped_ptr, not_kept)
+
+
+def select_routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """[T, E] bool routing map and [T, E] probs -> (top_idx [T, K] int32 ascending, top_probs [T, K]
+    fp32, counts [E] int32, block histograms [B, E] int32, non-finite count [] int32). Not differentiable;
+    see megatron_ext.moe.fused_routes for the autograd wrapper."""
+    num_tokens, num_experts = routing_map.shape
+    device = routing_map.device
+    blocks = triton.cdiv(num_tokens, BLOCK_TOKENS)
+    top_idx = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    top_probs = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
+    counts_and_nonfinite = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)  # one memset
+    hist = torch.empty(blocks, num_experts, dtype=torch.int32, device=device)
+    _select_kernel[(blocks,)](routing_map.contiguous(), probs.contiguous(), top_idx, top_probs,
+                              counts_and_nonfinite, hist, counts_and_nonfinite[num_experts:], num_tokens,
+                              num_experts, K=topk, BLOCK_K=triton.next_power_of_2(topk), BLOCK_T=BLOCK_TOKENS,
+                              BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    return top_idx, top_probs, counts_and_nonfinite[:num_experts], hist, counts_and_nonfinite[num_experts]
+
+
+def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, requested_all: torch.Tensor, topk: int,
+                   capacity: int, ep_rank: int) -> dict:
+    """The keep plan from the gathered [M, E] counts and this rank's rows: a dict with dest_rank,
+    dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept rows per
+    (local expert, source)) and the metrics requested_per_expert, kept_per_expert [E],
+    dropped_routes [], buffer_fill []."""
+    num_tokens, num_experts = routing_map.shape
+    m = requested_all.shape[0]
+    local = num_experts // m
+    device = routing_map.device
+    per_expert = torch.empty(4, num_experts, dtype=torch.int32, device=device)
+    keep_mine, row_base, requested, kept = per_expert.unbind(0)
+    receive = torch.empty(2, local, dtype=torch.int32, device=device)
+    small = torch.zeros(2, dtype=torch.float32, device=device)  # [fill, dropped] in one allocation
+    mine = torch.empty(local, m, dtype=torch.int32, device=device)
+    _plan_kernel[(m,)](requested_all.contiguous(), keep_mine, row_base, requested, kept, receive[0], receive[1],
+                       small[0:1], mine, capacity, ep_rank, m, num_experts, local,
+                       BLOCK_L=triton.next_power_of_2(local), BLOCK_M=triton.next_power_of_2(m), num_warps=4)
+    dest = torch.empty(2, num_tokens, topk, dtype=torch.int32, device=device)
+    dropped = small[1:2].view(torch.int32)  # zero bits are int32 zero
+    _place_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
+        routing_map.contiguous(), hist, keep_mine, row_base, dest[0], dest[1], dropped, num_tokens,
+        num_experts, local, K=topk, BLOCK_K=triton.next_power_of_2(topk), BLOCK_T=BLOCK_TOKENS,
+        BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    return {"dest_rank": dest[0], "dest_row": dest[1], "recv_counts": receive[0], "recv_offsets": receive[1],
+            "mine": mine, "requested_per_expert": requested, "kept_per_expert": kept,
+            "dropped_routes": dropped[0], "buffer_fill": small[0]}

@@ -1,0 +1,66 @@
+"""The rowwise dispatcher's route selection and route map on GPUs: three Triton kernels
+(kernels/route_plan.py) in place of the torch form (moe/route_map.py), same results.
+
+`select` runs in dispatch_preprocess (top-k ids and probabilities from Megatron's [T, E]
+routing map, the counts the EP group exchanges); `route` in token_dispatch (the count
+exchange, then plan and rows). Only the probabilities carry a gradient: back to the [T, E]
+probs at the selected experts, zero elsewhere, as `probs.gather` would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ext.moe.route_map import RouteMap, RouteMetrics, exchange_counts, rows_by_source
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What `select` hands `route`: the routing map and its per-block expert histograms."""
+
+    routing_map: torch.Tensor  # [T, E] bool
+    counts: torch.Tensor  # [E] int32, this rank's routes per global expert
+    block_hist: torch.Tensor  # [B, E] int32, the same per block of tokens
+    nonfinite: torch.Tensor  # [] int32, selected routes whose probability is NaN/Inf
+
+
+class _SelectRoutes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, routing_map, probs, topk: int):
+        from megatron_ext.kernels.route_plan import select_routes
+
+        top_idx, top_probs, counts, hist, nonfinite = select_routes(routing_map, probs, topk)
+        ctx.save_for_backward(top_idx)
+        ctx.probs_shape, ctx.probs_dtype = probs.shape, probs.dtype
+        ctx.mark_non_differentiable(top_idx, counts, hist, nonfinite)
+        return top_probs, top_idx, counts, hist, nonfinite
+
+    @staticmethod
+    def backward(ctx, grad_top_probs, *unused):
+        (top_idx,) = ctx.saved_tensors
+        num_tokens, num_experts = ctx.probs_shape
+        column = torch.where(top_idx >= 0, top_idx, num_experts).long()  # empty slots: a spare column
+        grad = torch.zeros(num_tokens, num_experts + 1, dtype=ctx.probs_dtype, device=grad_top_probs.device)
+        grad.scatter_(1, column, grad_top_probs.to(ctx.probs_dtype))
+        return None, grad[:, :num_experts], None
+
+
+def select(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """-> (top_idx [T, K] int32 ascending, -1 for empty slots; top_probs [T, K] fp32; Selection)."""
+    top_probs, top_idx, counts, hist, nonfinite = _SelectRoutes.apply(routing_map, probs, topk)
+    return top_idx, top_probs, Selection(routing_map, counts, hist, nonfinite)
+
+
+def route(selection: Selection, topk: int, capacity: int, group=None, gather_counts=None,
+          ep_rank: int | None = None, need_row_source: bool = True) -> RouteMap:
+    """Exchange the counts over the EP group, then plan and place (moe/route_map.route's contract)."""
+    from megatron_ext.kernels.route_plan import plan_and_place
+
+    requested_all, ep_rank = exchange_counts(selection.counts, group, gather_counts, ep_rank)
+    out = plan_and_place(selection.routing_map, selection.block_hist, requested_all, topk, capacity, ep_rank)
+    row_source = rows_by_source(out["mine"], capacity) if need_row_source else None
+    metrics = RouteMetrics(out["requested_per_expert"], out["kept_per_expert"], out["dropped_routes"],
+                           out["buffer_fill"], selection.nonfinite)
+    return RouteMap(out["dest_rank"], out["dest_row"], out["recv_counts"], out["recv_offsets"], row_source, metrics)

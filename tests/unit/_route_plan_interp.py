@@ -1,0 +1,107 @@
+"""The fused route map (Triton select, plan and place kernels) against the torch form, under
+Triton's CPU interpreter: equal top-k ids and probabilities, equal route maps and metrics, equal
+probability gradients, for several EP sizes (the other ranks' counts made up), expert counts
+that are not powers of two, top-k 1..8, token counts that are not multiples of a block, balanced
+and skewed routing, with and without drops. A token with fewer than K selected experts gets -1
+routes, counted as dropped.
+
+    TRITON_INTERPRET=1 python tests/unit/_route_plan_interp.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def routing(num_tokens, num_experts, topk, skew, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:, : max(1, num_experts // 4)] += skew
+    top = logits.topk(topk, dim=1).indices
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.softmax(logits, dim=1) * routing_map
+    return routing_map, probs.requires_grad_(True)
+
+
+def others_counts(counts, world, rank, seed):
+    """[M, E]: this rank's counts in row `rank`, made-up counts of the same scale elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, int(counts.max()) * 2 + 2, counts.shape, generator=gen, dtype=torch.int32)
+            for _ in range(world)]
+    rows[rank] = counts.to(torch.int32)
+    return torch.stack(rows)
+
+
+def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed) -> None:
+    from megatron_ext.moe import fused_routes
+    from megatron_ext.moe.dispatcher import routing_map_to_topk
+    from megatron_ext.moe.route_map import count_routes, route
+
+    routing_map, probs = routing(num_tokens, num_experts, topk, skew, seed)
+    top_idx = routing_map_to_topk(routing_map, topk)
+    want_probs = probs.gather(1, top_idx).float()
+    table = others_counts(count_routes(top_idx, num_experts), world, rank, seed + 1)
+    gather = lambda counts: table  # noqa: E731 - the exchange is made up here
+    want = route(top_idx, num_experts, capacity, gather_counts=gather, ep_rank=rank, probs=want_probs)
+
+    probs_fused = probs.detach().clone().requires_grad_(True)
+    got_idx, got_probs, selection = fused_routes.select(routing_map, probs_fused, topk)
+    assert torch.equal(got_idx.long(), top_idx), "top-k ids"
+    assert torch.equal(got_probs, want_probs), "top-k probabilities"
+    assert torch.equal(selection.counts, count_routes(top_idx, num_experts)), "counts"
+    got = fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank)
+    case = f"T={num_tokens} E={num_experts} K={topk} M={world} rank={rank} C={capacity} skew={skew}"
+    for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets", "row_source"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.long(), b.long()), f"{case}: {name} differs:\n{a}\n{b}"
+    for name in ("requested_per_expert", "kept_per_expert", "dropped_routes", "buffer_fill", "nonfinite_routes"):
+        a, b = getattr(got.metrics, name), getattr(want.metrics, name)
+        assert torch.equal(a.double(), b.double()), f"{case}: metric {name} differs: {a} vs {b}"
+    grad = torch.randn(num_tokens, topk, generator=torch.Generator().manual_seed(seed + 2))
+    (want_probs * grad).sum().backward()
+    (got_probs * grad).sum().backward()
+    assert torch.equal(probs_fused.grad, probs.grad), f"{case}: probability gradients differ"
+    print(f"ok {case} dropped={int(want.metrics.dropped_routes)}")
+
+
+def check_short_token() -> None:
+    """A token with fewer than K experts selected: its empty slots are -1 and counted as dropped."""
+    from megatron_ext.moe import fused_routes
+
+    routing_map, probs = routing(40, 8, 2, 0.0, 5)
+    routing_map[3] = False
+    routing_map[3, 6] = True  # one expert instead of two
+    top_idx, top_probs, selection = fused_routes.select(routing_map, probs, 2)
+    assert top_idx[3].tolist() == [6, -1] and float(top_probs[3, 1].detach()) == 0.0, top_idx[3]
+    got = fused_routes.route(selection, 2, capacity=1000)
+    assert got.dest_row[3, 1] == -1 and got.dest_rank[3, 1] == -1 and got.dest_row[3, 0] >= 0
+    assert int(got.metrics.dropped_routes) == 1
+    print("ok short token")
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
+        return 2
+    cases = [  # T, E, K, M, rank, capacity, skew
+        (70, 8, 2, 1, 0, 1000, 0.0),     # no drops, EP 1
+        (70, 8, 2, 1, 0, 96, 2.0),       # drops, skewed
+        (100, 12, 3, 3, 1, 48, 1.0),     # E, K, M not powers of two, drops
+        (64, 16, 4, 4, 3, 40, 3.0),      # last rank, heavy skew
+        (33, 6, 1, 2, 0, 20, 0.0),       # top-1
+        (96, 64, 8, 8, 5, 160, 1.5),     # many buckets per destination
+        (50, 10, 2, 5, 4, 5000, 0.0),    # nothing dropped at EP 5
+    ]
+    for seed, case in enumerate(cases):
+        check_case(*case, seed=10 * seed)
+    check_short_token()
+    print("all route-plan checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.exit(main())
