@@ -1,7 +1,10 @@
 """Eager vs CUDA-graph replay of the rowwise MoE layer, small to large microbatches.
 
-For each token count: layer step time (fwd+bwd, CUDA events, median), host submission time,
-and the memory the graph slots and their pool add. Same weights and inputs for both modes.
+For each token count: layer step time (fwd+bwd, CUDA events, median of `--repeats` alternating
+eager/graph measurements, each a median over `--iters` steps; the speedup's min..max printed),
+host submission time, and the memory the graph slots and their pool add. Same weights and
+inputs for both modes; by default as in training (inside Megatron's DDP, gradients into fp32
+main_grad, input from a LayerNorm), `--grads autograd` for the layer alone with plain param.grad.
 
     python tools/bench_graphs.py [--tokens 1024,2048,4096,8192] [--slots 1]
 """
@@ -15,7 +18,7 @@ import torch
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
 from megatron_ext.bench.results import write_result
-from megatron_ext.testing.megatron_moe import load_weights, moe_config
+from megatron_ext.testing.megatron_moe import load_weights, megatron_ddp, moe_config
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
@@ -32,27 +35,64 @@ def layer_for(args, cuda_graphs: bool, weights):
     return layer
 
 
-def measure(layer, tokens: int, hidden: int, iters: int) -> dict:
+def step_for(layer, tokens: int, hidden: int, grads: str):
+    """One forward+backward on fixed inputs. grads="ddp": as in training, the layer inside Megatron's
+    DDP (parameter gradients accumulate into fp32 main_grad) and fed by a LayerNorm (Megatron's
+    pre-MLP norm), so its input gradient goes to another layer's backward, not into a leaf's .grad;
+    "autograd": the layer alone, param.grad reset to None before each step."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, 1, hidden, device="cuda", generator=gen).bfloat16().requires_grad_(True)
     grad = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
     params = list(layer.parameters())
+    model, norm = layer, torch.nn.Identity()
+    if grads == "ddp":
+        model = megatron_ddp(layer)
+        norm = torch.nn.LayerNorm(hidden, device="cuda", dtype=torch.bfloat16)
 
     def step():
         x.grad = None
         for p in params:
             p.grad = None
-        out, _ = layer(x)
+        out, _ = model(norm(x))
         out.backward(grad)
+    return step
 
+
+def first_step_resident_mib(step) -> float:
+    """Memory left allocated by the first step (graphed: the capture, its slots and pool)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    step()  # graphed: captures here
+    step()
     torch.cuda.synchronize()
-    resident = torch.cuda.memory_allocated() - before
-    return {"step_ms": median(cuda_time_ms(step, warmup=3, iters=iters)),
-            "host_submit_ms": median(host_time_ms(step, warmup=1, iters=iters)),
-            "resident_after_first_step_mib": resident / 2**20}
+    return (torch.cuda.memory_allocated() - before) / 2**20
+
+
+def spread(values) -> dict:
+    return {"median": median(values), "min": min(values), "max": max(values), "repeats": len(values)}
+
+
+def measure_pair(args, weights, tokens: int) -> dict:
+    """Eager and graphed layers side by side; repeats alternate the two so drift hits both alike."""
+    layers = {mode: layer_for(args, mode == "graph", weights) for mode in ("eager", "graph")}
+    steps = {mode: step_for(layer, tokens, args.hidden, args.grads) for mode, layer in layers.items()}
+    row = {"tokens": tokens, "graph_fallback": None}
+    for mode, step in steps.items():
+        row[mode] = {"resident_after_first_step_mib": first_step_resident_mib(step), "step_ms_runs": [],
+                     "host_submit_ms_runs": []}
+    row["graph_fallback"] = layers["graph"]._graph_runner.eager_reason
+    for _ in range(args.repeats):
+        for mode, step in steps.items():
+            row[mode]["step_ms_runs"].append(median(cuda_time_ms(step, warmup=3, iters=args.iters)))
+            row[mode]["host_submit_ms_runs"].append(median(host_time_ms(step, warmup=1, iters=args.iters)))
+    for mode in steps:
+        row[mode]["step_ms"] = median(row[mode]["step_ms_runs"])
+        row[mode]["host_submit_ms"] = median(row[mode]["host_submit_ms_runs"])
+    speedups = [e / g for e, g in zip(row["eager"]["step_ms_runs"], row["graph"]["step_ms_runs"])]
+    row["step_speedup"] = median(speedups)
+    row["step_speedup_spread"] = spread(speedups)
+    del layers, steps
+    torch.cuda.empty_cache()
+    return row
 
 
 def main():
@@ -64,32 +104,28 @@ def main():
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--slots", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--grads", choices=("ddp", "autograd"), default="ddp",
+                        help="ddp: grads into Megatron DDP's fp32 main_grad, as in training; autograd: param.grad")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating eager/graph measurements per size")
     args = parser.parse_args()
     require_cuda("tools/bench_graphs.py")
     init_single_rank_megatron()
     weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
-        row = {"tokens": tokens}
-        for mode, graphed in (("eager", False), ("graph", True)):
-            layer = layer_for(args, graphed, weights)
-            row[mode] = measure(layer, tokens, args.hidden, args.iters)
-            if graphed:
-                row["graph_fallback"] = layer._graph_runner.eager_reason
-            del layer
-            torch.cuda.empty_cache()
-        row["step_speedup"] = row["eager"]["step_ms"] / row["graph"]["step_ms"]
+        row = measure_pair(args, weights, tokens)
         row["host_reduction"] = row["eager"]["host_submit_ms"] / row["graph"]["host_submit_ms"]
         row["graph_extra_mib"] = (row["graph"]["resident_after_first_step_mib"]
                                   - row["eager"]["resident_after_first_step_mib"])
         rows.append(row)
         print(row, flush=True)
     print(f"\n{'tokens':>7s} {'eager ms':>9s} {'graph ms':>9s} {'speedup':>8s} {'eager host':>11s} "
-          f"{'graph host':>11s} {'host cut':>9s} {'slot MiB':>9s}")
+          f"{'graph host':>11s} {'host cut':>9s} {'slot MiB':>9s} {'speedup min..max':>17s}")
     for r in rows:
+        lo, hi = r["step_speedup_spread"]["min"], r["step_speedup_spread"]["max"]
         print(f"{r['tokens']:7d} {r['eager']['step_ms']:9.2f} {r['graph']['step_ms']:9.2f} {r['step_speedup']:7.2f}x "
               f"{r['eager']['host_submit_ms']:11.2f} {r['graph']['host_submit_ms']:11.2f} {r['host_reduction']:8.1f}x "
-              f"{r['graph_extra_mib']:9.0f}")
+              f"{r['graph_extra_mib']:9.0f} {lo:7.2f}..{hi:.2f}x")
     print("wrote", write_result("graphs", {"args": vars(args), "rows": rows}))
 
 

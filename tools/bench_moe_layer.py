@@ -66,8 +66,9 @@ def dense_gemm_tflops(flops: float, hidden: int) -> float:
     return 2 * m * n * n / ms / 1e9
 
 
-def host_hotspots(step, iters: int = 10, top: int = 25) -> list[str]:
-    """Python functions with the most own host time over `iters` steps (cProfile)."""
+def host_hotspots(step, iters: int = 10, top: int = 25, sort: str = "tottime") -> list[str]:
+    """Python functions with the most host time over `iters` steps (cProfile), by own time
+    (`sort="tottime"`) or including callees (`"cumulative"`)."""
     import cProfile
     import pstats
 
@@ -78,10 +79,11 @@ def host_hotspots(step, iters: int = 10, top: int = 25) -> list[str]:
         step()
     profiler.disable()
     torch.cuda.synchronize()
-    stats = pstats.Stats(profiler).sort_stats("tottime")
+    stats = pstats.Stats(profiler)
     rows = []
     for (filename, line, func), (_, calls, own, cumulative, _) in list(stats.stats.items()):
-        rows.append((own, f"{own / iters * 1e3:7.3f} ms own {cumulative / iters * 1e3:7.3f} ms cum "
+        key = own if sort == "tottime" else cumulative
+        rows.append((key, f"{own / iters * 1e3:7.3f} ms own {cumulative / iters * 1e3:7.3f} ms cum "
                           f"{calls // iters:5d} calls  {func} ({os.path.basename(filename)}:{line})"))
     return [text for _, text in sorted(rows, reverse=True)[:top]]
 
@@ -103,8 +105,9 @@ def measure(path, args, weights, x, grad_out, flops):
     result["memory"] = peak_memory(step)
     result["blocking_cuda_calls"] = sum(profiled_sync_calls(step).values())
     if path in args.profile.split(","):
-        result["kernels"] = profile_kernels(step, iters=3, top=12)
-        result["host_hotspots"] = host_hotspots(step)
+        result["kernels"] = profile_kernels(step, iters=3, top=args.profile_top)
+        result["host_hotspots"] = host_hotspots(step, top=args.profile_top)
+        result["host_cumulative"] = host_hotspots(step, top=args.profile_top, sort="cumulative")
     if hasattr(layer, "read_metrics"):
         metrics = layer.read_metrics()
         if metrics:
@@ -132,6 +135,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--name", default="moe_layer")
     parser.add_argument("--profile", default="", help="comma-separated paths to profile (kernels, host hotspots)")
+    parser.add_argument("--profile-top", type=int, default=12, help="kernels and host functions listed per profile")
     args = parser.parse_args()
     require_cuda("tools/bench_moe_layer.py")
     init_single_rank_megatron()
@@ -147,11 +151,14 @@ def main():
             rows.append(measure(path, args, weights, x, grad_out, flops))
         except Exception as error:  # report and go on: one broken path must not hide the others
             rows.append({"path": path, "error": f"{type(error).__name__}: {error}"})
-        for line in rows[-1].pop("host_hotspots", []):
+        for line in rows[-1].get("host_hotspots", []):
             print("  host:", line, flush=True)
+        for line in rows[-1].get("host_cumulative", []):
+            print("  host cumulative:", line, flush=True)
         for kernel in rows[-1].get("kernels", {}).get("top_kernels", []):
             print(f"  kernel: {kernel['ms_per_iter']:7.3f} ms x{kernel['calls_per_iter']:.0f} {kernel['name'][:110]}")
-        print({k: v for k, v in rows[-1].items() if k != "kernels"}, flush=True)
+        print({k: v for k, v in rows[-1].items() if k not in ("kernels", "host_hotspots", "host_cumulative")},
+              flush=True)
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
           f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")

@@ -2,8 +2,9 @@
 
 Trains one functional-test case (default gpt/moe_rowwise_1gpu: a small GPT-MoE on one GPU
 through `python -m megatron_ext.launch examples/pretrain_gpt.py`, mock data) once per variant,
-same seed, data and model, and reports the median iteration time over the steady steps, the
-peak memory and the loss over the last steps. Variants (flags appended to the case's):
+same seed, data and model, `--repeats` times with the variants interleaved, and reports the
+median over the repeats of each run's median iteration time over the steady steps (with the
+min..max over the repeats), the peak memory and the loss over the last steps. Variants (flags appended to the case's):
 
   megatron          Megatron's own layer: --spec megatron.training.models.gpt default_layer_spec
                     (alltoall dispatcher + SequentialMLP without Transformer Engine), dropless
@@ -57,12 +58,25 @@ def summarize(values: dict, warmup: int, window: int) -> dict:
             "final_loss": statistics.fmean(loss[s] for s in sorted(loss)[-window:])}
 
 
+def combine_runs(runs: list[dict]) -> dict:
+    """Median iteration time over the repeats (each already a median over steady steps), its spread,
+    and the last run's memory and loss; failed if any run failed."""
+    failed = [r["failed"] for r in runs if "failed" in r]
+    if failed:
+        return {"failed": failed[0], "runs": runs}
+    times = [r["iteration_time_s"] for r in runs]
+    return {"iteration_time_s": statistics.median(times), "iteration_time_min_s": min(times),
+            "iteration_time_max_s": max(times), "repeats": len(runs),
+            "max_allocated_gib": runs[-1]["max_allocated_gib"], "final_loss": runs[-1]["final_loss"], "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", default="gpt/moe_rowwise_1gpu")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--train-iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the time median")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant (interleaved); median and spread")
     parser.add_argument("--output-dir", help="training logs (default: a new temporary folder)")
     parser.add_argument("--extra-args", default="", help="flags appended to every variant. Note: Megatron's "
                         "--timing-log-level 2 synchronizes the device around every microbatch's forward and "
@@ -79,36 +93,42 @@ def main(argv: list[str] | None = None) -> int:
     case = FunctionalCase.load(options.case)
     output_dir = options.output_dir or tempfile.mkdtemp(prefix="bench_training_")
     os.makedirs(output_dir, exist_ok=True)
-    results = {}
-    for name in names:
-        print(f"== {name}: {' '.join(VARIANTS[name]) or '(the case as configured)'}", flush=True)
-        try:
-            values = train_variant(case, [*VARIANTS[name], "--train-iters", str(options.train_iters),
-                                          *shlex.split(options.extra_args)],
-                                   output_dir, name, METRICS)
-            results[name] = summarize(values, options.warmup, window=5)
-        except TrainingFailed as error:  # report it and go on with the other variants
-            results[name] = {"failed": str(error).splitlines()[0]}
-        except (KeyError, ValueError) as error:  # trained, but its log lacks a metric or steady steps
-            results[name] = {"failed": f"no summary from the log: {type(error).__name__}: {error}"}
-        print(f"   {results[name]}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(options.repeats):  # variants interleaved, so machine drift hits all alike
+        for name in names:
+            print(f"== {name} (run {repeat + 1}/{options.repeats}): "
+                  f"{' '.join(VARIANTS[name]) or '(the case as configured)'}", flush=True)
+            try:
+                values = train_variant(case, [*VARIANTS[name], "--train-iters", str(options.train_iters),
+                                              *shlex.split(options.extra_args)],
+                                       output_dir, f"{name}_{repeat}", METRICS)
+                runs[name].append(summarize(values, options.warmup, window=5))
+            except TrainingFailed as error:  # report it and go on with the other variants
+                runs[name].append({"failed": str(error).splitlines()[0]})
+            except (KeyError, ValueError) as error:  # trained, but its log lacks a metric or steady steps
+                runs[name].append({"failed": f"no summary from the log: {type(error).__name__}: {error}"})
+            print(f"   {runs[name][-1]}", flush=True)
+    results = {name: combine_runs(name_runs) for name, name_runs in runs.items()}
 
     base = results.get("megatron", {}).get("iteration_time_s")
     for result in results.values():
         if base and "iteration_time_s" in result:
             result["speedup_vs_megatron"] = base / result["iteration_time_s"]
     path = write_result("training", {"case": case.name, "train_iters": options.train_iters,
-                                     "warmup": options.warmup, "variants": {n: VARIANTS[n] for n in names},
+                                     "warmup": options.warmup, "repeats": options.repeats,
+                                     "variants": {n: VARIANTS[n] for n in names},
                                      "extra_args": options.extra_args,
                                      "results": results})
-    print(f"{'variant':<18} {'iter ms':>9} {'vs megatron':>12} {'max GiB':>8} {'loss':>8}")
+    print(f"{'variant':<18} {'iter ms':>9} {'min..max ms':>15} {'vs megatron':>12} {'max GiB':>8} {'loss':>8}")
     for name, result in results.items():
         if "failed" in result:
             print(f"{name:<18} FAILED: {result['failed']}")
             continue
         speedup = result.get("speedup_vs_megatron")
         memory = result["max_allocated_gib"]
-        print(f"{name:<18} {result['iteration_time_s'] * 1e3:>9.1f} {f'{speedup:.2f}x' if speedup else '-':>12} "
+        spread = f"{result['iteration_time_min_s'] * 1e3:.0f}..{result['iteration_time_max_s'] * 1e3:.0f}"
+        ratio = f"{speedup:.2f}x" if speedup else "-"
+        print(f"{name:<18} {result['iteration_time_s'] * 1e3:>9.1f} {spread:>15} {ratio:>12} "
               f"{memory if memory is None else round(memory, 2)!s:>8} {result['final_loss']:>8.4f}")
     print(f"result: {path}")
     return 1 if any("failed" in r for r in results.values()) else 0

@@ -60,3 +60,12 @@ def test_bench_training_rejects_unknown_variants_and_too_few_steps(capsys):
 def test_bench_training_summary_without_steady_steps_is_an_error():
     with pytest.raises(ValueError, match="after the 10 warm-up steps"):
         BENCH["summarize"](curve([3.0, 2.0]), warmup=10, window=2)
+
+
+def test_bench_training_repeats_give_the_median_and_spread_and_a_failed_run_fails_the_variant():
+    runs = [{"iteration_time_s": t, "max_allocated_gib": 1.0, "final_loss": 2.0} for t in (0.5, 0.3, 0.4)]
+    combined = BENCH["combine_runs"](runs)
+    assert combined["iteration_time_s"] == 0.4 and combined["repeats"] == 3
+    assert (combined["iteration_time_min_s"], combined["iteration_time_max_s"]) == (0.3, 0.5)
+    failed = BENCH["combine_runs"]([runs[0], {"failed": "exit 1"}])
+    assert failed["failed"] == "exit 1" and "iteration_time_s" not in failed
