@@ -135,6 +135,7 @@ class GraphedMoELayer:
         self.slots: list[_Slot] | None = None
         self.eager_reason: str | None = None
         self.params = [p for p in layer.parameters() if p.requires_grad]
+        self._static_grad_storage: set[int] = set()  # the slots' static parameter-gradient buffers
         self.forward_fn = getattr(layer, "eager_forward", layer)
 
     def __call__(self, hidden: torch.Tensor):
@@ -204,11 +205,8 @@ class GraphedMoELayer:
     def _unalias_param_grads(self) -> None:
         """Before any replay: a param.grad that is still an alias of a static gradient buffer (a
         hook that did not consume it, see hand_over) gets its own copy, as it would have had."""
-        if self.slots is None:
-            return
-        static = {g.untyped_storage().data_ptr() for slot in self.slots for g in slot.grads[1:] if g is not None}
         for param in self.params:
-            if param.grad is not None and param.grad.untyped_storage().data_ptr() in static:
+            if param.grad is not None and param.grad.untyped_storage().data_ptr() in self._static_grad_storage:
                 param.grad = param.grad.clone()
 
     def _lease_pool(self):
@@ -237,6 +235,8 @@ class GraphedMoELayer:
                 leases.release_all()  # host-side leases of forwards whose backward was never captured
             raise
         self.slots = slots
+        self._static_grad_storage = {grad.untyped_storage().data_ptr()
+                                     for slot in slots for grad in slot.grads[1:] if grad is not None}
 
     def _warm_up(self, sample: torch.Tensor) -> None:
         """Eager steps on a side stream: allocations, compilation and lazy buffers happen here."""
@@ -258,6 +258,7 @@ class GraphedMoELayer:
                 slot.forward_graph.reset()
                 slot.backward_graph.reset()
         self.slots = None
+        self._static_grad_storage = set()
 
 
 def release_cuda_graphs(model) -> int:

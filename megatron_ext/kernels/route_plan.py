@@ -56,8 +56,23 @@ def _select_kernel(map_ptr, probs_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, h
 
 
 @triton.jit
-def _plan_kernel(requested_ptr, keep_mine_ptr, row_base_ptr, requested_out_ptr, kept_out_ptr,
-                 recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, capacity, rank, M, E, L,
+def _select_backward_kernel(map_ptr, grad_top_ptr, grad_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_E: tl.constexpr):
+    """grad [T, E] = the top-k probabilities' gradient at the selected experts, 0 elsewhere."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    inside = (tokens[:, None] < T) & (experts[None, :] < E)
+    offsets = tokens[:, None].to(tl.int64) * E + experts[None, :]
+    selected = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
+    slot = tl.cumsum(selected.to(tl.int32), axis=1) - 1
+    routes = selected & (slot < K)
+    grad = tl.load(grad_top_ptr + tokens[:, None].to(tl.int64) * K + slot, mask=routes, other=0.0)
+    tl.store(grad_ptr + offsets, grad, mask=inside)
+
+
+@triton.jit
+def _plan_kernel(requested_ptr, nonfinite_ptr, keep_mine_ptr, row_base_ptr, packed_ptr, recv_counts_ptr,
+                 recv_offsets_ptr, fill_ptr, mine_ptr, capacity, rank, M, E, L,
                  BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr):
     dest = tl.program_id(0)
     local = tl.arange(0, BLOCK_L)[:, None]  # [L, 1]
@@ -101,15 +116,19 @@ def _plan_kernel(requested_ptr, keep_mine_ptr, row_base_ptr, requested_out_ptr, 
     tl.store(keep_mine_ptr + experts, tl.sum(tl.where(source == rank, keep, 0), axis=1).to(tl.int32),
              mask=in_expert)
     tl.store(row_base_ptr + experts, (expert_base + source_base).to(tl.int32), mask=in_expert)
-    tl.store(requested_out_ptr + experts, tl.sum(req, axis=1).to(tl.int32), mask=in_expert)
-    tl.store(kept_out_ptr + experts, kept.to(tl.int32), mask=in_expert)
+    tl.store(packed_ptr + experts, tl.sum(req, axis=1).to(tl.int32), mask=in_expert)  # RouteMetrics.packed
+    tl.store(packed_ptr + E + experts, kept.to(tl.int32), mask=in_expert)
     is_mine = dest == rank
     lanes = tl.arange(0, BLOCK_L)
     tl.store(recv_counts_ptr + lanes, kept.to(tl.int32), mask=in_expert & is_mine)
     tl.store(recv_offsets_ptr + lanes, tl.cumsum(kept, axis=0).to(tl.int32), mask=in_expert & is_mine)
     tl.store(mine_ptr + local * M + source, keep.to(tl.int32), mask=inside & is_mine)  # [l, s]
-    received = tl.sum(kept, axis=0).to(tl.float32)
-    tl.store(fill_ptr, tl.div_rn(received, tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)  # IEEE, as torch
+    received = tl.sum(kept, axis=0)
+    tl.store(fill_ptr, tl.div_rn(received.to(tl.float32), tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)
+    tl.store(packed_ptr + 2 * E, 0, mask=is_mine)  # dropped: the place kernel adds to it
+    tl.store(packed_ptr + 2 * E + 1, received.to(tl.int32), mask=is_mine)
+    tl.store(packed_ptr + 2 * E + 2, tl.load(nonfinite_ptr), mask=is_mine)
+    tl.store(packed_ptr + 2 * E + 3, 1, mask=is_mine)  # one step
 
 
 @triton.jit
@@ -163,30 +182,38 @@ def select_routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
     return top_idx, top_probs, counts_and_nonfinite[:num_experts], hist, counts_and_nonfinite[num_experts]
 
 
-def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, requested_all: torch.Tensor, topk: int,
-                   capacity: int, ep_rank: int) -> dict:
+def select_backward(routing_map: torch.Tensor, grad_top_probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gradient of select_routes' top_probs -> [T, E] in `dtype` (the router probabilities'), one kernel."""
+    num_tokens, num_experts = routing_map.shape
+    grad = torch.empty(num_tokens, num_experts, dtype=dtype, device=routing_map.device)
+    _select_backward_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
+        routing_map.contiguous(), grad_top_probs.contiguous(), grad, num_tokens, num_experts,
+        K=grad_top_probs.shape[1], BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    return grad
+
+
+def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: torch.Tensor, requested_all: torch.Tensor,
+                   topk: int, capacity: int, ep_rank: int) -> dict:
     """The keep plan from the gathered [M, E] counts and this rank's rows: a dict with dest_rank,
     dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept rows per
-    (local expert, source)) and the metrics requested_per_expert, kept_per_expert [E],
-    dropped_routes [], buffer_fill []."""
+    (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed)."""
     num_tokens, num_experts = routing_map.shape
     m = requested_all.shape[0]
     local = num_experts // m
     device = routing_map.device
-    per_expert = torch.empty(4, num_experts, dtype=torch.int32, device=device)
-    keep_mine, row_base, requested, kept = per_expert.unbind(0)
+    plan = torch.empty(2, num_experts, dtype=torch.int32, device=device)
+    keep_mine, row_base = plan.unbind(0)
+    packed = torch.empty(2 * num_experts + 4, dtype=torch.int32, device=device)
     receive = torch.empty(2, local, dtype=torch.int32, device=device)
-    small = torch.zeros(2, dtype=torch.float32, device=device)  # [fill, dropped] in one allocation
+    fill = torch.empty((), dtype=torch.float32, device=device)
     mine = torch.empty(local, m, dtype=torch.int32, device=device)
-    _plan_kernel[(m,)](requested_all.contiguous(), keep_mine, row_base, requested, kept, receive[0], receive[1],
-                       small[0:1], mine, capacity, ep_rank, m, num_experts, local,
+    _plan_kernel[(m,)](requested_all.contiguous(), nonfinite, keep_mine, row_base, packed, receive[0], receive[1],
+                       fill, mine, capacity, ep_rank, m, num_experts, local,
                        BLOCK_L=triton.next_power_of_2(local), BLOCK_M=triton.next_power_of_2(m), num_warps=4)
     dest = torch.empty(2, num_tokens, topk, dtype=torch.int32, device=device)
-    dropped = small[1:2].view(torch.int32)  # zero bits are int32 zero
     _place_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
-        routing_map.contiguous(), hist, keep_mine, row_base, dest[0], dest[1], dropped, num_tokens,
+        routing_map.contiguous(), hist, keep_mine, row_base, dest[0], dest[1], packed[2 * num_experts:], num_tokens,
         num_experts, local, K=topk, BLOCK_K=triton.next_power_of_2(topk), BLOCK_T=BLOCK_TOKENS,
         BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
     return {"dest_rank": dest[0], "dest_row": dest[1], "recv_counts": receive[0], "recv_offsets": receive[1],
-            "mine": mine, "requested_per_expert": requested, "kept_per_expert": kept,
-            "dropped_routes": dropped[0], "buffer_fill": small[0]}
+            "mine": mine, "buffer_fill": fill, "packed": packed}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.moe.route_map import RouteMap, RouteMetrics, exchange_counts, rows_by_source
+from megatron_ext.moe.route_map import RouteMap, RouteMetrics, exchange_counts, rows_by_source, unpack_metrics
 
 
 @dataclass(frozen=True)
@@ -32,19 +32,17 @@ class _SelectRoutes(torch.autograd.Function):
         from megatron_ext.kernels.route_plan import select_routes
 
         top_idx, top_probs, counts, hist, nonfinite = select_routes(routing_map, probs, topk)
-        ctx.save_for_backward(top_idx)
-        ctx.probs_shape, ctx.probs_dtype = probs.shape, probs.dtype
+        ctx.save_for_backward(routing_map)
+        ctx.probs_dtype = probs.dtype
         ctx.mark_non_differentiable(top_idx, counts, hist, nonfinite)
         return top_probs, top_idx, counts, hist, nonfinite
 
     @staticmethod
     def backward(ctx, grad_top_probs, *unused):
-        (top_idx,) = ctx.saved_tensors
-        num_tokens, num_experts = ctx.probs_shape
-        column = torch.where(top_idx >= 0, top_idx, num_experts).long()  # empty slots: a spare column
-        grad = torch.zeros(num_tokens, num_experts + 1, dtype=ctx.probs_dtype, device=grad_top_probs.device)
-        grad.scatter_(1, column, grad_top_probs.to(ctx.probs_dtype))
-        return None, grad[:, :num_experts], None
+        from megatron_ext.kernels.route_plan import select_backward
+
+        (routing_map,) = ctx.saved_tensors
+        return None, select_backward(routing_map, grad_top_probs, ctx.probs_dtype), None
 
 
 def select(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -59,8 +57,10 @@ def route(selection: Selection, topk: int, capacity: int, group=None, gather_cou
     from megatron_ext.kernels.route_plan import plan_and_place
 
     requested_all, ep_rank = exchange_counts(selection.counts, group, gather_counts, ep_rank)
-    out = plan_and_place(selection.routing_map, selection.block_hist, requested_all, topk, capacity, ep_rank)
+    out = plan_and_place(selection.routing_map, selection.block_hist, selection.nonfinite, requested_all, topk,
+                         capacity, ep_rank)
     row_source = rows_by_source(out["mine"], capacity) if need_row_source else None
-    metrics = RouteMetrics(out["requested_per_expert"], out["kept_per_expert"], out["dropped_routes"],
-                           out["buffer_fill"], selection.nonfinite)
+    totals = unpack_metrics(out["packed"])  # views: the layer accumulates `packed` in one add
+    metrics = RouteMetrics(totals["requested"], totals["kept"], totals["dropped"], out["buffer_fill"],
+                           totals["nonfinite"], out["packed"])
     return RouteMap(out["dest_rank"], out["dest_row"], out["recv_counts"], out["recv_offsets"], row_source, metrics)

@@ -17,6 +17,7 @@ from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.overflow import OverflowGuard
+from megatron_ext.moe.route_map import unpack_metrics
 from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems, rowwise_problems
 
 def check_megatron_config(config) -> None:
@@ -79,16 +80,11 @@ class RowwiseMoELayer(MoELayer):
 
     @torch.no_grad()
     def _accumulate_metrics(self, metrics) -> None:
-        """Running device-side sums, updated in place (so CUDA graphs keep updating the same
-        tensors): no host read until `read_metrics`."""
-        current = (metrics.requested_per_expert.long(), metrics.kept_per_expert.long(),
-                   metrics.dropped_routes.long(), metrics.buffer_fill.float(),
-                   torch.ones((), dtype=torch.long, device=metrics.dropped_routes.device),
-                   metrics.nonfinite_routes.long())
+        """Running device-side sums in one int64 vector, updated in place by one add (so CUDA
+        graphs keep updating the same tensor): no host read until `read_metrics`."""
         if self._metrics is None:
-            self._metrics = [torch.zeros_like(t) for t in current]
-        for total, value in zip(self._metrics, current):
-            total.add_(value)
+            self._metrics = torch.zeros(metrics.packed.shape, dtype=torch.int64, device=metrics.packed.device)
+        self._metrics.add_(metrics.packed)
 
     def check_overflow(self) -> None:
         """Bounded dropless: raise CapacityExceeded if routes overflowed since the last check (a host read)."""
@@ -101,18 +97,19 @@ class RowwiseMoELayer(MoELayer):
         """Host copy of the routing metrics since the last read (synchronizes: logging steps only)."""
         if self._metrics is None:
             return None
-        requested, kept, dropped, fill, steps, nonfinite = (t.to("cpu", copy=True) for t in self._metrics)
+        totals = unpack_metrics(self._metrics.to("cpu", copy=True))
         if reset:
-            for total in self._metrics:
-                total.zero_()
-        n = int(steps)
+            self._metrics.zero_()
+        n = int(totals["steps"])
         if n == 0:
             return None
         dispatcher = self.token_dispatcher
-        kept_routes = dispatcher.routes_per_step * n - int(dropped)  # this rank's routes that moved
-        return {"steps": n, "requested_per_expert": requested.tolist(), "kept_per_expert": kept.tolist(),
-                "dropped_routes": int(dropped), "nonfinite_prob_routes": int(nonfinite),
-                "mean_buffer_fill": float(fill) / n,
+        dropped = int(totals["dropped"])
+        kept_routes = dispatcher.routes_per_step * n - dropped  # this rank's routes that moved
+        return {"steps": n, "requested_per_expert": totals["requested"].tolist(),
+                "kept_per_expert": totals["kept"].tolist(), "dropped_routes": dropped,
+                "nonfinite_prob_routes": int(totals["nonfinite"]),
+                "mean_buffer_fill": int(totals["received"]) / max(dispatcher.capacity, 1) / n,
                 "capacity": dispatcher.capacity, "dispatch_row_bytes": dispatcher.row_bytes,
                 "dispatch_buffer_bytes": dispatcher.capacity * dispatcher.row_bytes,
                 "dispatched_bytes_per_step": kept_routes * dispatcher.row_bytes // n}

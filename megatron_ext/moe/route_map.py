@@ -33,6 +33,24 @@ class RouteMetrics:
     dropped_routes: torch.Tensor  # [] int32, this rank's routes dropped or with an invalid id
     buffer_fill: torch.Tensor  # [] fp32, valid rows in this rank's dispatch buffer / capacity
     nonfinite_routes: torch.Tensor  # [] int32, this rank's routes whose router probability is NaN/Inf
+    # [2E + 4] int32: requested [E], kept [E], dropped, received rows, non-finite, 1 (one step): what
+    # the layer accumulates, in one add (the other fields are views of it on GPUs)
+    packed: torch.Tensor
+
+
+def pack_metrics(requested, kept, dropped, received, nonfinite) -> torch.Tensor:
+    """RouteMetrics.packed from its parts (the torch form; the fused kernels write it directly)."""
+    scalars = torch.stack([dropped.int(), received.int(), nonfinite.int(), torch.ones_like(dropped, dtype=torch.int32)])
+    return torch.cat([requested.int(), kept.int(), scalars])
+
+
+def unpack_metrics(packed: torch.Tensor) -> dict:
+    """Accumulated RouteMetrics.packed -> named totals (the inverse of pack_metrics' layout)."""
+    num_experts = (packed.numel() - 4) // 2
+    requested, kept, tail = packed[:num_experts], packed[num_experts:2 * num_experts], packed[2 * num_experts:]
+    dropped, received, nonfinite, steps = tail.unbind(0)
+    return {"requested": requested, "kept": kept, "dropped": dropped, "received": received,
+            "nonfinite": nonfinite, "steps": steps}
 
 
 @dataclass(frozen=True)
@@ -171,16 +189,16 @@ def build_route_map(top_idx: torch.Tensor, requested_all: torch.Tensor, keep: to
     row_source = rows_by_source(mine.t(), capacity)
 
     received = recv_offsets[-1]
-    metrics = RouteMetrics(
-        requested_per_expert=requested_all.sum(0).int(),
-        kept_per_expert=kept_per_expert.int(),
-        dropped_routes=(ids.numel() - kept.sum()).int(),
-        buffer_fill=received.float() / max(capacity, 1),
-        # NaN/Inf router probabilities (NaN/Inf hidden states or router weights) move like any other
-        # route, as in Megatron's layer; counted here (and in the fused select kernel on GPUs).
-        nonfinite_routes=(torch.zeros((), dtype=torch.int32, device=device) if probs is None
-                          else (~torch.isfinite(probs)).sum().int()),
-    )
+    requested = requested_all.sum(0).int()
+    dropped = (ids.numel() - kept.sum()).int()
+    # NaN/Inf router probabilities (NaN/Inf hidden states or router weights) move like any other
+    # route, as in Megatron's layer; counted here (and in the fused select kernel on GPUs).
+    nonfinite = (torch.zeros((), dtype=torch.int32, device=device) if probs is None
+                 else (~torch.isfinite(probs)).sum().int())
+    metrics = RouteMetrics(requested_per_expert=requested, kept_per_expert=kept_per_expert.int(),
+                           dropped_routes=dropped, buffer_fill=received.float() / max(capacity, 1),
+                           nonfinite_routes=nonfinite,
+                           packed=pack_metrics(requested, kept_per_expert, dropped, received, nonfinite))
     return RouteMap(dest_rank=dest_rank, dest_row=dest_row, recv_counts=recv_counts.int(),
                     recv_offsets=recv_offsets.int(), row_source=row_source, metrics=metrics)
 

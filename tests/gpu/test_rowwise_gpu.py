@@ -142,17 +142,23 @@ def test_fused_route_map_equals_torch_route_map(experts, topk):
         logits = torch.randn(tokens, experts, device="cuda", generator=gen)
         logits[:, :4] += 2.0  # skew towards a few experts
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(topk, dim=1).indices, True)
-        probs = torch.softmax(logits, dim=1) * routing_map
+        probs = (torch.softmax(logits, dim=1) * routing_map).requires_grad_(True)
         top_idx = routing_map_to_topk(routing_map, topk)
-        want = route(top_idx, experts, capacity, probs=probs.gather(1, top_idx))
-        got_idx, got_probs, selection = fused_routes.select(routing_map, probs, topk)
+        want_probs = probs.gather(1, top_idx)
+        want = route(top_idx, experts, capacity, probs=want_probs)
+        fused_probs = probs.detach().clone().requires_grad_(True)
+        got_idx, got_probs, selection = fused_routes.select(routing_map, fused_probs, topk)
         got = fused_routes.route(selection, topk, capacity)
         case = f"T={tokens} C={capacity}"
         assert torch.equal(got_idx.long(), top_idx), f"{case}: top-k ids differ"
-        assert torch.equal(got_probs, probs.gather(1, top_idx)), f"{case}: top-k probabilities differ"
+        assert torch.equal(got_probs, want_probs), f"{case}: top-k probabilities differ"
+        grad = torch.randn(got_probs.shape, device="cuda", generator=gen)
+        want_probs.backward(grad)
+        got_probs.backward(grad)
+        assert torch.equal(fused_probs.grad, probs.grad), f"{case}: probability gradients differ"
         for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets", "row_source"):
             assert torch.equal(getattr(want, name).long(), getattr(got, name).long()), f"{case}: fused {name} differs"
-        for name in ("dropped_routes", "kept_per_expert", "requested_per_expert"):
+        for name in ("dropped_routes", "kept_per_expert", "requested_per_expert", "packed"):
             assert torch.equal(getattr(want.metrics, name), getattr(got.metrics, name)), f"{case}: {name} differs"
         # torch divides by a host scalar as a multiply by its reciprocal on GPUs: equal within an ulp
         torch.testing.assert_close(got.metrics.buffer_fill, want.metrics.buffer_fill, rtol=1e-6, atol=0)

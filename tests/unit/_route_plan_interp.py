@@ -60,6 +60,7 @@ def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed)
     for name in ("requested_per_expert", "kept_per_expert", "dropped_routes", "buffer_fill", "nonfinite_routes"):
         a, b = getattr(got.metrics, name), getattr(want.metrics, name)
         assert torch.equal(a.double(), b.double()), f"{case}: metric {name} differs: {a} vs {b}"
+    assert torch.equal(got.metrics.packed, want.metrics.packed), f"{case}: packed metrics differ"
     grad = torch.randn(num_tokens, topk, generator=torch.Generator().manual_seed(seed + 2))
     (want_probs * grad).sum().backward()
     (got_probs * grad).sum().backward()
