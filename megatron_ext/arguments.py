@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_ext.config import DISPATCHERS, TRANSPORTS, MoEExtConfig
-from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems, rowwise_problems
+from megatron_ext.rules import ExpertSettings, expert_problems, graph_runner_clash, moe_problems, rowwise_problems
 
 GROUP_TITLE = "megatron_ext MoE"
 DEST_PREFIX = "moe_ext_"
@@ -196,8 +196,9 @@ def _name_flags(message: str) -> str:
 
 def _rowwise_conflicts(args) -> list[str]:
     """Megatron options the rowwise dispatcher refuses (megatron_ext.rules, shared with the layer)."""
+    problems = rowwise_problems(args) + graph_runner_clash(args, args.moe_ext_cuda_graphs)
     return [f"--moe-ext-dispatcher rowwise cannot be combined with {problem}; or use --moe-ext-dispatcher megatron"
-            for problem in rowwise_problems(args)]
+            for problem in problems]
 
 
 def _ext_flag_conflicts(args) -> list[str]:

@@ -55,21 +55,63 @@ def _spelled(flag: str, value) -> str:
     return flag if value is True else f"{flag} {value}"
 
 
+def _whole_layer(modules) -> bool:
+    """Megatron's cuda_graph_modules asking for the whole transformer layer (its default)."""
+    if modules is None or modules == "full":
+        return True
+    values = [getattr(m, "value", m) for m in (modules if isinstance(modules, (list, tuple)) else [modules])]
+    return all(v == "full" for v in values)
+
+
+def _megatron_graph_flag(settings) -> str | None:
+    graph_impl = getattr(settings, "cuda_graph_impl", None)
+    return next((flag for flag, on in (
+        (f"--cuda-graph-impl {graph_impl}", graph_impl not in (None, "none")),
+        ("--enable-cuda-graph", bool(getattr(settings, "enable_cuda_graph", False))),
+        ("--external-cuda-graph", bool(getattr(settings, "external_cuda_graph", False)))) if on), None)
+
+
+def graph_runner_clash(settings, ext_cuda_graphs: bool) -> list[str]:
+    """Megatron's CUDA-graph runner and megatron_ext's (MoEExtConfig.cuda_graphs) both on."""
+    graph_flag = _megatron_graph_flag(settings)
+    if graph_flag and ext_cuda_graphs:
+        return [f"{graph_flag} with --moe-ext-cuda-graphs: the two would capture the MoE layer twice; keep one"]
+    return []
+
+
+def megatron_graph_problems(settings) -> list[str]:
+    """Megatron's own CUDA-graph runners with the rowwise layer: `--cuda-graph-impl local` capturing
+    whole transformer layers (attention and the MoE layer in one graph) with one live microbatch
+    per layer (no pipeline parallelism) is verified (BENCHMARKS.md); the other modes are not."""
+    graph_impl = getattr(settings, "cuda_graph_impl", None)
+    graph_flag = _megatron_graph_flag(settings)
+    if not graph_flag:
+        return []
+    instead = ("use --moe-ext-cuda-graphs (MoEExtConfig.cuda_graphs), which captures the rowwise MoE layer, "
+               "forward and backward, for every capacity policy and pipeline schedule")
+    local = graph_impl == "local" or bool(getattr(settings, "enable_cuda_graph", False))
+    if not local:
+        return [f"{graph_flag}: Megatron's {graph_impl or 'external'} CUDA-graph runner is not verified with the "
+                f"rowwise layer; use --cuda-graph-impl local (whole layers), or {instead}"]
+    modules = (getattr(settings, "cuda_graph_modules", None) or getattr(settings, "cuda_graph_scope_deprecated", None)
+               or getattr(settings, "cuda_graph_scope", None))  # the launcher's dest for the deprecated flag
+    if not _whole_layer(modules):
+        return [f"{graph_flag} with --cuda-graph-modules {modules}: Megatron's partial-layer MoE captures assume "
+                f"its own dispatchers; leave --cuda-graph-modules empty (whole layers), or {instead}"]
+    pipeline = getattr(settings, "pipeline_model_parallel_size", 1) or 1
+    if pipeline > 1:
+        return [f"{graph_flag} with --pipeline-model-parallel-size {pipeline}: a whole-layer graph bakes in one "
+                f"dispatch-buffer slot, and pipeline schedules keep several microbatches of a layer alive; "
+                f"{instead} (its slots follow the schedule)"]
+    return []
+
+
 def rowwise_problems(settings) -> list[str]:
     """Why the rowwise dispatcher cannot run with `settings` (a TransformerConfig or Megatron's args)."""
     problems = [f"{rule.field}={getattr(settings, rule.field)!r} "
                 f"({_spelled(rule.flag, getattr(settings, rule.field))}): "
                 f"{rule.why}; {rule.fix}" for rule in ROWWISE_REFUSED if _is_set(getattr(settings, rule.field, None))]
-    graph_impl = getattr(settings, "cuda_graph_impl", None)
-    graph_flag = next((flag for flag, on in (
-        (f"--cuda-graph-impl {graph_impl}", graph_impl not in (None, "none")),
-        ("--enable-cuda-graph", bool(getattr(settings, "enable_cuda_graph", False))),
-        ("--external-cuda-graph", bool(getattr(settings, "external_cuda_graph", False)))) if on), None)
-    if graph_flag:
-        problems.append(f"{graph_flag}: Megatron's CUDA-graph runners are not verified with the rowwise layer (their "
-                        f"MoE capture assumes Megatron's dispatchers); use --moe-ext-cuda-graphs "
-                        f"(MoEExtConfig.cuda_graphs), which captures the whole rowwise MoE layer, forward and "
-                        f"backward, for every capacity policy")
+    problems += megatron_graph_problems(settings)
     if getattr(settings, "moe_token_dispatcher_type", None) == "flex":
         problems.append("moe_token_dispatcher_type='flex' (--moe-token-dispatcher-type flex): Megatron would build "
                         "its flex (DeepEP/HybridEP) dispatcher first; use alltoall (ignored by the rowwise layer) "

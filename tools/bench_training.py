@@ -12,6 +12,8 @@ min..max over the repeats), the peak memory and the loss over the last steps. Va
   rowwise           megatron_ext's rowwise layer as the case configures it (capacity factor)
   rowwise_dropless  the same, capacity sized so nothing is dropped (same work as Megatron's)
   rowwise_graphs    the rowwise layer captured in CUDA graphs (--moe-ext-cuda-graphs)
+  rowwise_layer_graphs  whole transformer layers (attention and the rowwise MoE layer) captured by
+                    Megatron's own runner (--cuda-graph-impl local)
 
     python tools/bench_training.py [--variants megatron,rowwise] [--train-iters 30]
 
@@ -33,7 +35,7 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.functional.case_config import FunctionalCase
 from megatron_ext.bench.functional.compare import values_by_step
 from megatron_ext.bench.functional.training import TrainingFailed, train_variant
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import new_result_path, write_result
 
 VARIANTS = {
     "megatron": ["--spec", "megatron.training.models.gpt", "default_layer_spec"],
@@ -41,6 +43,7 @@ VARIANTS = {
     "rowwise": [],
     "rowwise_dropless": ["--moe-ext-dropless"],
     "rowwise_graphs": ["--moe-ext-cuda-graphs"],
+    "rowwise_layer_graphs": ["--cuda-graph-impl", "local"],
 }
 METRICS = ["lm loss", "iteration-time", "mem-max-allocated-bytes"]
 
@@ -94,6 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = options.output_dir or tempfile.mkdtemp(prefix="bench_training_")
     os.makedirs(output_dir, exist_ok=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}
+    path = new_result_path("training")
+
+    def save(complete: bool) -> dict:
+        """Rewrite the result file after every run: a run cut short keeps what it measured."""
+        results = {name: combine_runs(name_runs) for name, name_runs in runs.items() if name_runs}
+        base = results.get("megatron", {}).get("iteration_time_s")
+        for result in results.values():
+            if base and "iteration_time_s" in result:
+                result["speedup_vs_megatron"] = base / result["iteration_time_s"]
+        write_result("training", {"case": case.name, "train_iters": options.train_iters,
+                                  "warmup": options.warmup, "repeats": options.repeats, "complete": complete,
+                                  "variants": {n: VARIANTS[n] for n in names},
+                                  "extra_args": options.extra_args, "results": results}, path=path)
+        return results
+
     for repeat in range(options.repeats):  # variants interleaved, so machine drift hits all alike
         for name in names:
             print(f"== {name} (run {repeat + 1}/{options.repeats}): "
@@ -108,17 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             except (KeyError, ValueError) as error:  # trained, but its log lacks a metric or steady steps
                 runs[name].append({"failed": f"no summary from the log: {type(error).__name__}: {error}"})
             print(f"   {runs[name][-1]}", flush=True)
-    results = {name: combine_runs(name_runs) for name, name_runs in runs.items()}
-
-    base = results.get("megatron", {}).get("iteration_time_s")
-    for result in results.values():
-        if base and "iteration_time_s" in result:
-            result["speedup_vs_megatron"] = base / result["iteration_time_s"]
-    path = write_result("training", {"case": case.name, "train_iters": options.train_iters,
-                                     "warmup": options.warmup, "repeats": options.repeats,
-                                     "variants": {n: VARIANTS[n] for n in names},
-                                     "extra_args": options.extra_args,
-                                     "results": results})
+            save(complete=False)
+    results = save(complete=True)
     print(f"{'variant':<18} {'iter ms':>9} {'min..max ms':>15} {'vs megatron':>12} {'max GiB':>8} {'loss':>8}")
     for name, result in results.items():
         if "failed" in result:

@@ -38,8 +38,8 @@ def env_info() -> dict:
     }
 
 
-def write_result(name: str, payload: dict, results_dir: str | os.PathLike = RESULTS_DIR) -> Path:
-    """Write {"name", "env", "result": payload} to <results_dir>/<name>_<YYYYmmdd-HHMMSS>.json."""
+def new_result_path(name: str, results_dir: str | os.PathLike = RESULTS_DIR) -> Path:
+    """A fresh <results_dir>/<name>_<YYYYmmdd-HHMMSS>.json path (not yet written)."""
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -48,5 +48,13 @@ def write_result(name: str, payload: dict, results_dir: str | os.PathLike = RESU
     while path.exists():  # two results within one second
         path = results_dir / f"{name}_{stamp}-{suffix}.json"
         suffix += 1
+    return path
+
+
+def write_result(name: str, payload: dict, results_dir: str | os.PathLike = RESULTS_DIR,
+                 path: Path | None = None) -> Path:
+    """Write {"name", "env", "result": payload} to `path` (rewritten in place: long tools save as they
+    go) or to a fresh <results_dir>/<name>_<YYYYmmdd-HHMMSS>.json."""
+    path = path or new_result_path(name, results_dir)
     path.write_text(json.dumps({"name": name, "env": env_info(), "result": payload}, indent=2) + "\n")
     return path

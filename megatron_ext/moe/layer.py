@@ -18,12 +18,13 @@ from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
-from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems, rowwise_problems
+from megatron_ext.rules import ExpertSettings, expert_problems, graph_runner_clash, moe_problems, rowwise_problems
 
-def check_megatron_config(config) -> None:
+def check_megatron_config(config, ext_config: MoEExtConfig | None = None) -> None:
     """Refuse TransformerConfig settings the rowwise layer cannot run with (megatron_ext.rules)."""
     settings = ExpertSettings.from_config(config)
     problems = rowwise_problems(config) + moe_problems(settings) + expert_problems(settings)
+    problems += graph_runner_clash(config, ext_config is not None and ext_config.cuda_graphs)
     if config.num_moe_experts is None:
         problems.append("num_moe_experts is None: the rowwise MoE layer needs a MoE config (--num-experts)")
     if problems:
@@ -37,7 +38,7 @@ class RowwiseMoELayer(MoELayer):
 
         ext_config = ext_config or MoEExtConfig()
         pg_collection = pg_collection or get_default_pg_collection()
-        check_megatron_config(config)
+        check_megatron_config(config, ext_config)
         if ext_config.mxfp8_dispatch:
             from megatron_ext.formats.mxfp8 import check_hidden
 

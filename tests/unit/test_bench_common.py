@@ -49,6 +49,8 @@ def test_write_result_json_into_given_dir(tmp_path):
     assert data["name"] == "demo" and data["result"] == payload
     for key in ("device", "torch", "triton", "megatron_core", "cuda", "date"):
         assert key in data["env"], key
+    rewritten = write_result("demo", {"ms": [1.0]}, path=first)  # a long tool saving as it goes
+    assert rewritten == first and json.loads(first.read_text())["result"] == {"ms": [1.0]}
     assert data["env"]["torch"]
 
 

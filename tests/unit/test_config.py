@@ -58,14 +58,31 @@ def test_every_config_field_has_a_consumer():
     assert not unread, f"MoEExtConfig fields nothing reads: {unread}"
 
 
-def test_megatron_cuda_graph_runners_are_refused_for_the_rowwise_layer():
-    """One rule for the launcher and the layer (a TransformerConfig has the same field names)."""
+def test_megatron_cuda_graph_runners_whole_layers_only_for_the_rowwise_layer():
+    """One rule for the launcher and the layer (a TransformerConfig has the same field names):
+    Megatron's local runner capturing whole layers without pipeline parallelism is accepted, the
+    other modes are refused naming --moe-ext-cuda-graphs, and both runners at once are refused."""
     from types import SimpleNamespace
 
-    from megatron_ext.rules import rowwise_problems
+    from megatron.core.transformer.enums import CudaGraphModule
 
-    for settings, flag in ((SimpleNamespace(cuda_graph_impl="local"), "--cuda-graph-impl local"),
-                           (SimpleNamespace(cuda_graph_impl="none", enable_cuda_graph=True), "--enable-cuda-graph")):
+    from megatron_ext.rules import graph_runner_clash, rowwise_problems
+
+    for accepted in (SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules=[]),
+                     SimpleNamespace(cuda_graph_impl="none", enable_cuda_graph=True),
+                     SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules="full",
+                                     pipeline_model_parallel_size=1),
+                     SimpleNamespace(cuda_graph_impl="none")):
+        assert rowwise_problems(accepted) == [], accepted
+    for settings, flag in (
+            (SimpleNamespace(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine"),
+            (SimpleNamespace(cuda_graph_impl="none", external_cuda_graph=True), "--external-cuda-graph"),
+            (SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules=[CudaGraphModule.moe_router]),
+             "--cuda-graph-impl local with --cuda-graph-modules"),
+            (SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules=[], pipeline_model_parallel_size=2),
+             "--cuda-graph-impl local with --pipeline-model-parallel-size 2")):
         problems = rowwise_problems(settings)
         assert len(problems) == 1 and problems[0].startswith(flag) and "--moe-ext-cuda-graphs" in problems[0]
-    assert rowwise_problems(SimpleNamespace(cuda_graph_impl="none")) == []
+    local = SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules=[])
+    assert graph_runner_clash(local, ext_cuda_graphs=False) == []
+    assert "twice" in graph_runner_clash(local, ext_cuda_graphs=True)[0]
