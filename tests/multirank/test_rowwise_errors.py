@@ -26,6 +26,8 @@ def _errors_rank(rank, world):
         build(moe_config(experts=4, ep=2, moe_expert_capacity_factor=1.0))
     with pytest.raises(ValueError, match="expert-tensor-parallel-size 1"):
         build(moe_config(experts=4, ep=2, etp=2))
+    with pytest.raises(ValueError, match=r"--cuda-graph-impl local with --moe-ext-cuda-graphs: .* twice"):
+        build(moe_config(experts=4, ep=2, cuda_graph_impl="local"), cuda_graphs=True)
     # What still cannot run names the setting to change (every activation, bias, dtype and size runs: issue 21).
     with pytest.raises(ValueError, match=r"moe_mlp_glu_interleave_size=8 \(--moe-mlp-glu-interleave-size 8\)"):
         build(moe_config(experts=4, ep=2, moe_mlp_glu_interleave_size=8))
