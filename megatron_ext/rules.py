@@ -82,7 +82,8 @@ def graph_runner_clash(settings, ext_cuda_graphs: bool) -> list[str]:
 def megatron_graph_problems(settings) -> list[str]:
     """Megatron's own CUDA-graph runners with the rowwise layer: `--cuda-graph-impl local` capturing
     whole transformer layers (attention and the MoE layer in one graph) with one live microbatch
-    per layer (no pipeline parallelism) is verified (BENCHMARKS.md); the other modes are not."""
+    per layer (no pipeline parallelism) is accepted: measured on one H200 (EP 1, loss bitwise equal
+    to eager, BENCHMARKS.md); the other modes have not been run and are refused."""
     graph_impl = getattr(settings, "cuda_graph_impl", None)
     graph_flag = _megatron_graph_flag(settings)
     if not graph_flag:
