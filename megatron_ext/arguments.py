@@ -196,7 +196,7 @@ def _name_flags(message: str) -> str:
 
 def _rowwise_conflicts(args) -> list[str]:
     """Megatron options the rowwise dispatcher refuses (megatron_ext.rules, shared with the layer)."""
-    problems = rowwise_problems(args) + graph_runner_clash(args, args.moe_ext_cuda_graphs)
+    problems = rowwise_problems(args) + graph_runner_clash(args, args)
     return [f"--moe-ext-dispatcher rowwise cannot be combined with {problem}; or use --moe-ext-dispatcher megatron"
             for problem in problems]
 

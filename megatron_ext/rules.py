@@ -71,12 +71,30 @@ def _megatron_graph_flag(settings) -> str | None:
         ("--external-cuda-graph", bool(getattr(settings, "external_cuda_graph", False)))) if on), None)
 
 
-def graph_runner_clash(settings, ext_cuda_graphs: bool) -> list[str]:
-    """Megatron's CUDA-graph runner and megatron_ext's (MoEExtConfig.cuda_graphs) both on."""
+def graph_runner_clash(settings, ext) -> list[str]:
+    """Megatron's CUDA-graph runner against megatron_ext settings (an MoEExtConfig or the launcher's
+    args, read by field name) that cannot be captured with it."""
     graph_flag = _megatron_graph_flag(settings)
-    if graph_flag and ext_cuda_graphs:
-        return [f"{graph_flag} with --moe-ext-cuda-graphs: the two would capture the MoE layer twice; keep one"]
-    return []
+    if not graph_flag:
+        return []
+
+    def ext_value(field):
+        return getattr(ext, field, getattr(ext, f"moe_ext_{field}", None))
+
+    problems = []
+    if ext_value("cuda_graphs"):
+        problems.append(f"{graph_flag} with --moe-ext-cuda-graphs: the two would capture the MoE layer twice; "
+                        f"keep one")
+    if ext_value("debug_checks"):
+        problems.append(f"{graph_flag} with --moe-ext-debug-checks: the checks read device values on the host, "
+                        f"which a CUDA-graph capture cannot contain; drop one")
+    ep = getattr(settings, "expert_model_parallel_size", 1) or 1
+    if ep > 1 and ext_value("transport") in ("torch", "deepep"):
+        problems.append(f"{graph_flag} with --moe-ext-transport {ext_value('transport')} at "
+                        f"--expert-model-parallel-size {ep}: that transport runs NCCL collectives inside the layer, "
+                        f"and a graph holding them keeps destroy_process_group from returning; use "
+                        f"--moe-ext-transport symm")
+    return problems
 
 
 def megatron_graph_problems(settings) -> list[str]:

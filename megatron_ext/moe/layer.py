@@ -24,7 +24,7 @@ def check_megatron_config(config, ext_config: MoEExtConfig | None = None) -> Non
     """Refuse TransformerConfig settings the rowwise layer cannot run with (megatron_ext.rules)."""
     settings = ExpertSettings.from_config(config)
     problems = rowwise_problems(config) + moe_problems(settings) + expert_problems(settings)
-    problems += graph_runner_clash(config, ext_config is not None and ext_config.cuda_graphs)
+    problems += graph_runner_clash(config, ext_config or MoEExtConfig())
     if config.num_moe_experts is None:
         problems.append("num_moe_experts is None: the rowwise MoE layer needs a MoE config (--num-experts)")
     if problems:

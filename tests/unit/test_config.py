@@ -83,6 +83,10 @@ def test_megatron_cuda_graph_runners_whole_layers_only_for_the_rowwise_layer():
              "--cuda-graph-impl local with --pipeline-model-parallel-size 2")):
         problems = rowwise_problems(settings)
         assert len(problems) == 1 and problems[0].startswith(flag) and "--moe-ext-cuda-graphs" in problems[0]
-    local = SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules=[])
-    assert graph_runner_clash(local, ext_cuda_graphs=False) == []
-    assert "twice" in graph_runner_clash(local, ext_cuda_graphs=True)[0]
+    local = SimpleNamespace(cuda_graph_impl="local", cuda_graph_modules=[], expert_model_parallel_size=2)
+    assert graph_runner_clash(local, MoEExtConfig(transport="symm")) == []
+    assert graph_runner_clash(SimpleNamespace(cuda_graph_impl="none"), MoEExtConfig(cuda_graphs=True)) == []
+    for ext, words in ((MoEExtConfig(cuda_graphs=True), "twice"), (MoEExtConfig(debug_checks=True), "host"),
+                       (MoEExtConfig(transport="torch"), "NCCL")):
+        problems = graph_runner_clash(local, ext)
+        assert len(problems) == 1 and words in problems[0], problems
