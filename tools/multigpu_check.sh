@@ -11,6 +11,8 @@
 #               rowwise     pytest tests/gpu/test_rowwise_multigpu.py (symm vs torch transport, poison,
 #                           leases, graphs at EP>1 through the runner, the EP=2 stress of 20 steps per
 #                           setting, a capture failing on one rank, a 2-rank run's clean exit)
+#               faults      pytest tests/gpu/test_rank_death_multigpu.py (a rank dies mid-layer with the
+#                           symm transport: the survivor exits with the phase named within 120 s)
 #               ddp         pytest tests/gpu/test_ddp_megatron_gpu.py (multi-group DDP over NCCL)
 #               deepep      pytest tests/gpu/test_deepep_multigpu.py, if that file exists
 #               transport   torchrun tools/bench_transport.py (PUT/GET GB/s per GPU vs 450 GB/s)
@@ -31,7 +33,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY=python3
-ALL_STEPS=(preflight rowwise ddp deepep transport ep functional)
+ALL_STEPS=(preflight rowwise faults ddp deepep transport ep functional)
 RESULTS_DIR="$REPO/bench/results"
 
 export NCCL_NVLS_ENABLE=0
@@ -39,9 +41,9 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
 # Per-step wall-clock limits in seconds (coreutils timeout; the step is killed and counted FAILED).
-declare -A LIMIT=([preflight]=120 [rowwise]=570 [ddp]=240 [deepep]=480 [transport]=300 [ep]=480 [functional]=1320)
+declare -A LIMIT=([preflight]=120 [rowwise]=570 [faults]=300 [ddp]=240 [deepep]=480 [transport]=300 [ep]=480 [functional]=1320)
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
 
 DRY_RUN=0
 STEPS_ARG=""
@@ -247,6 +249,7 @@ for step in "${STEPS[@]}"; do
     case "$step" in
         preflight) step_preflight ;;
         rowwise) run_pytest_file rowwise tests/gpu/test_rowwise_multigpu.py ;;
+        faults) run_pytest_file faults tests/gpu/test_rank_death_multigpu.py ;;
         ddp) run_pytest_file ddp tests/gpu/test_ddp_megatron_gpu.py ;;
         deepep) run_pytest_file deepep tests/gpu/test_deepep_multigpu.py ;;
         transport) step_transport ;;

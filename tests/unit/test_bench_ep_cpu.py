@@ -97,6 +97,7 @@ def test_multigpu_check_script_syntax_and_plan():
     out = plan.stdout
     assert "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1" in out
     for expected in ("pytest -q -rs -p no:cacheprovider tests/gpu/test_rowwise_multigpu.py",
+                     "pytest -q -rs -p no:cacheprovider tests/gpu/test_rank_death_multigpu.py",
                      "pytest -q -rs -p no:cacheprovider tests/gpu/test_ddp_megatron_gpu.py",
                      "--nproc-per-node 8 tools/bench_transport.py",
                      "--nproc-per-node 8 tools/bench_ep.py"):
