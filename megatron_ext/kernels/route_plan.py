@@ -27,31 +27,44 @@ BLOCK_TOKENS = 32
 
 
 @triton.jit
-def _select_kernel(map_ptr, probs_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr,
-                   T, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    block = tl.program_id(0)
+def _selection_tile(map_ptr, block, T, E, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One block of routing-map rows: (tokens, experts, inside, offsets into [T, E], routes, slot).
+    `routes` marks the selected experts that fill one of the token's K slots, `slot` is the k of
+    each (its rank among the token's selected experts, ascending ids)."""
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     inside = (tokens[:, None] < T) & (experts[None, :] < E)
     offsets = tokens[:, None].to(tl.int64) * E + experts[None, :]
     selected = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
-    slot = tl.cumsum(selected.to(tl.int32), axis=1) - 1  # k of each selected expert (ascending ids)
-    probs = tl.load(probs_ptr + offsets, mask=selected, other=0.0).to(tl.float32)
-    writes = selected & (slot < K)
-    out = tokens[:, None].to(tl.int64) * K + slot
-    tl.store(top_idx_ptr + out, (experts[None, :] + tl.zeros_like(slot)).to(tl.int32), mask=writes)
-    tl.store(top_probs_ptr + out, probs, mask=writes)
-    # Slots a token leaves empty (fewer than K experts selected) stay -1: invalid routes.
-    per_token = tl.sum(writes.to(tl.int32), axis=1)
+    slot = tl.cumsum(selected.to(tl.int32), axis=1) - 1
+    return tokens, experts, inside, offsets, selected & (slot < K), slot
+
+
+@triton.jit
+def _empty_slots(tokens, routes, T, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(mask, offsets into [T, K]) of the slots a token leaves empty (fewer than K experts selected)."""
     ks = tl.arange(0, BLOCK_K)
+    per_token = tl.sum(routes.to(tl.int32), axis=1)
     empty = (tokens[:, None] < T) & (ks[None, :] >= per_token[:, None]) & (ks[None, :] < K)
-    empty_out = tokens[:, None].to(tl.int64) * K + ks[None, :]
+    return empty, tokens[:, None].to(tl.int64) * K + ks[None, :]
+
+
+@triton.jit
+def _select_kernel(map_ptr, probs_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr,
+                   T, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    block = tl.program_id(0)
+    tokens, experts, inside, offsets, routes, slot = _selection_tile(map_ptr, block, T, E, K, BLOCK_T, BLOCK_E)
+    probs = tl.load(probs_ptr + offsets, mask=routes, other=0.0).to(tl.float32)
+    out = tokens[:, None].to(tl.int64) * K + slot
+    tl.store(top_idx_ptr + out, (experts[None, :] + tl.zeros_like(slot)).to(tl.int32), mask=routes)
+    tl.store(top_probs_ptr + out, probs, mask=routes)
+    empty, empty_out = _empty_slots(tokens, routes, T, K, BLOCK_K)  # stay -1: invalid routes
     tl.store(top_idx_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
     tl.store(top_probs_ptr + empty_out, tl.zeros([BLOCK_T, BLOCK_K], tl.float32), mask=empty)
-    block_counts = tl.sum(writes.to(tl.int32), axis=0)
+    block_counts = tl.sum(routes.to(tl.int32), axis=0)
     tl.store(hist_ptr + block * E + experts, block_counts, mask=experts < E)
     tl.atomic_add(counts_ptr + experts, block_counts, mask=experts < E)
-    bad = writes & ((probs != probs) | (tl.abs(probs) == float("inf")))
+    bad = routes & ((probs != probs) | (tl.abs(probs) == float("inf")))
     tl.atomic_add(nonfinite_ptr, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
 
 
@@ -59,13 +72,7 @@ def _select_kernel(map_ptr, probs_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, h
 def _select_backward_kernel(map_ptr, grad_top_ptr, grad_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_E: tl.constexpr):
     """grad [T, E] = the top-k probabilities' gradient at the selected experts, 0 elsewhere."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    experts = tl.arange(0, BLOCK_E)
-    inside = (tokens[:, None] < T) & (experts[None, :] < E)
-    offsets = tokens[:, None].to(tl.int64) * E + experts[None, :]
-    selected = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
-    slot = tl.cumsum(selected.to(tl.int32), axis=1) - 1
-    routes = selected & (slot < K)
+    tokens, _, inside, offsets, routes, slot = _selection_tile(map_ptr, tl.program_id(0), T, E, K, BLOCK_T, BLOCK_E)
     grad = tl.load(grad_top_ptr + tokens[:, None].to(tl.int64) * K + slot, mask=routes, other=0.0)
     tl.store(grad_ptr + offsets, grad, mask=inside)
 
@@ -135,14 +142,8 @@ def _plan_kernel(requested_ptr, nonfinite_ptr, keep_mine_ptr, row_base_ptr, pack
 def _place_kernel(map_ptr, hist_ptr, keep_mine_ptr, row_base_ptr, dest_rank_ptr, dest_row_ptr, dropped_ptr,
                   T, E, L, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     block = tl.program_id(0)
-    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    experts = tl.arange(0, BLOCK_E)
+    tokens, experts, _, _, routes, slot = _selection_tile(map_ptr, block, T, E, K, BLOCK_T, BLOCK_E)
     in_experts = experts < E
-    inside = (tokens[:, None] < T) & in_experts[None, :]
-    offsets = tokens[:, None].to(tl.int64) * E + experts[None, :]
-    selected = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
-    slot = tl.cumsum(selected.to(tl.int32), axis=1) - 1
-    routes = selected & (slot < K)
     earlier = tl.zeros([BLOCK_E], dtype=tl.int32)  # this rank's routes to each expert in earlier blocks
     for previous in range(0, block):
         earlier += tl.load(hist_ptr + previous * E + experts, mask=in_experts, other=0)
@@ -154,10 +155,7 @@ def _place_kernel(map_ptr, hist_ptr, keep_mine_ptr, row_base_ptr, dest_rank_ptr,
     out = tokens[:, None].to(tl.int64) * K + slot
     tl.store(dest_row_ptr + out, tl.where(kept, row, -1), mask=routes)
     tl.store(dest_rank_ptr + out, tl.where(kept, experts[None, :] // L, -1), mask=routes)
-    per_token = tl.sum(routes_i, axis=1)
-    ks = tl.arange(0, BLOCK_K)
-    empty = (tokens[:, None] < T) & (ks[None, :] >= per_token[:, None]) & (ks[None, :] < K)
-    empty_out = tokens[:, None].to(tl.int64) * K + ks[None, :]
+    empty, empty_out = _empty_slots(tokens, routes, T, K, BLOCK_K)
     tl.store(dest_row_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
     tl.store(dest_rank_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
     not_kept = tl.sum(tl.where(tokens < T, K - tl.sum(kept.to(tl.int32), axis=1), 0), axis=0)

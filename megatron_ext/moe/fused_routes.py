@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.moe.route_map import RouteMap, RouteMetrics, exchange_counts, rows_by_source, unpack_metrics
+from megatron_ext.moe.route_map import (RouteMap, RouteMetrics, check_plan, exchange_counts, rows_by_source,
+                                        unpack_metrics)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ def route(selection: Selection, topk: int, capacity: int, group=None, gather_cou
     from megatron_ext.kernels.route_plan import plan_and_place
 
     requested_all, ep_rank = exchange_counts(selection.counts, group, gather_counts, ep_rank)
+    check_plan(requested_all.shape[0], selection.routing_map.shape[1], capacity)
     out = plan_and_place(selection.routing_map, selection.block_hist, selection.nonfinite, requested_all, topk,
                          capacity, ep_rank)
     row_source = rows_by_source(out["mine"], capacity) if need_row_source else None

@@ -91,6 +91,15 @@ def _buckets_per_destination(requested: torch.Tensor) -> torch.Tensor:
     return by_dest.permute(1, 2, 0).reshape(m, -1)  # [d, l, s] -> [d, b]
 
 
+def check_plan(num_ranks: int, num_experts: int, capacity: int) -> None:
+    """What every keep plan needs (host integers only): a capacity and experts sharded evenly."""
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0 rows, got {capacity}")
+    if num_experts % num_ranks:
+        raise ValueError(f"{num_experts} experts cannot be sharded over {num_ranks} EP ranks; "
+                         f"choose num_experts divisible by the expert-parallel size")
+
+
 def plan_keep(requested: torch.Tensor, capacity: int) -> torch.Tensor:
     """How many routes each (source rank, expert) bucket keeps: [M, E] int32.
 
@@ -114,12 +123,8 @@ def plan_keep(requested: torch.Tensor, capacity: int) -> torch.Tensor:
     Vectorized over destinations: sort the bucket requests, find λ from prefix sums, then
     assign the remainder with a cumsum over the rotated "still wanting" mask.
     """
-    if capacity < 0:
-        raise ValueError(f"capacity must be >= 0 rows, got {capacity}")
     m, num_experts = requested.shape
-    if num_experts % m:
-        raise ValueError(f"{num_experts} experts cannot be sharded over {m} EP ranks; "
-                         f"choose num_experts divisible by the expert-parallel size")
+    check_plan(m, num_experts, capacity)
     req = _buckets_per_destination(requested.long())  # [M, n]
     n = req.shape[1]
     total = req.sum(1, keepdim=True)  # [M, 1]

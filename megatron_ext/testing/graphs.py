@@ -41,3 +41,17 @@ def refill(static_tensors, new_values) -> None:
     """Copy new inputs into a graph's static tensors, pairwise."""
     for static, value in zip(static_tensors, new_values):
         static.copy_(value)
+
+
+def replay_with_new_inputs(module, first, second) -> torch.Tensor:
+    """Capture an experts step on `first` = (x, probs, grad_out, counts), copy `second` (the same four)
+    into those tensors and replay once. x and probs become leaves that require grad, so their .grad
+    (and the module's parameters' .grad) hold the replay's gradients; returns the static output."""
+    x, probs, grad_out, counts = first
+    x.requires_grad_(True)
+    probs.requires_grad_(True)
+    graph, static_out = capture_experts_step(module, x, counts, probs, grad_out)
+    refill(first, second)
+    graph.replay()
+    torch.cuda.synchronize()
+    return static_out

@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
 from megatron_ext.testing.expert_variants import (ExpertParams, expert_param_grads, load_expert_params,  # noqa: E402
                                                   sequential_mlp, variant_config, variants)
-from megatron_ext.testing.graphs import capture_experts_step, refill  # noqa: E402
+from megatron_ext.testing.expert_steps import expert_rows as _rows  # noqa: E402
+from megatron_ext.testing.expert_steps import experts_step  # noqa: E402
+from megatron_ext.testing.graphs import replay_with_new_inputs  # noqa: E402
 from megatron_ext.testing.reference import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -64,22 +66,9 @@ def _counts(experts, rows, seed, empty=(2,)):
     return torch.bincount(torch.multinomial(weights, rows, replacement=True, generator=gen), minlength=experts)
 
 
-def _rows(rows, hidden, seed, dtype=torch.bfloat16):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
-    probs = torch.rand(rows, device=DEVICE, generator=gen) + 0.1
-    grad_out = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(dtype)
-    return x, probs, grad_out
-
-
 def _run(module, x, counts, probs, grad_out, valid=None):
     """(output, input grad, prob grad) on the valid rows, and the parameter grads."""
-    module.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(True)
-    probs = probs.detach().clone().requires_grad_(True)
-    out, bias = module(x, counts, probs)
-    assert bias is None
-    out.backward(grad_out)
+    out, x, probs = experts_step(module, x, counts, probs, grad_out)
     valid = x.shape[0] if valid is None else valid
     return (out[:valid].detach().clone(), x.grad[:valid].clone(), probs.grad[:valid].clone()), \
         expert_param_grads(module)
@@ -214,16 +203,10 @@ def _graph_capture(name, hidden, ffn):
     _, module = _modules(name, hidden, ffn, experts, seed=4)
     assert not module.fast_path
     x, probs, grad_out = _rows(capacity, hidden, seed=9)
-    x.requires_grad_(True)
-    probs.requires_grad_(True)
     counts = _counts(experts, 3000, seed=10).to(DEVICE)
-    graph, static_out = capture_experts_step(module, x, counts, probs, grad_out)
-
     new_counts = _counts(experts, 3500, seed=11, empty=(5,)).to(DEVICE)
     new_x, new_probs, new_grad = _rows(capacity, hidden, seed=12)
-    refill((x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
-    graph.replay()
-    torch.cuda.synchronize()
+    static_out = replay_with_new_inputs(module, (x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
     valid = 3500
     replayed = (static_out[:valid].clone(), x.grad[:valid].clone(), probs.grad[:valid].clone())
     replayed_grads = {k: p.grad.clone() for k, p in (("fc1", module.fc1_weight), ("fc2", module.fc2_weight),

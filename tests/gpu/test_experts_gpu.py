@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_ext.kernels.swiglu import _backward_torch, _forward_torch, swiglu_valid_prefix  # noqa: E402
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
-from megatron_ext.testing.graphs import capture_experts_step, refill  # noqa: E402
+from megatron_ext.testing.expert_steps import expert_rows as _rows  # noqa: E402
+from megatron_ext.testing.expert_steps import experts_step  # noqa: E402
+from megatron_ext.testing.graphs import replay_with_new_inputs  # noqa: E402
 from megatron_ext.testing.megatron_moe import moe_config  # noqa: E402
 from megatron_ext.testing.reference import assert_close  # noqa: E402
 from megatron_ext.testing.single_rank import init_single_rank_megatron  # noqa: E402
@@ -88,22 +90,9 @@ def _random_counts(experts, rows, seed, empty=(2,)):
     return torch.bincount(expert_of_row, minlength=experts)
 
 
-def _rows(rows, hidden, seed):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
-    probs = torch.rand(rows, device=DEVICE, generator=gen) + 0.1
-    grad_out = torch.randn(rows, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
-    return x, probs, grad_out
-
-
 def _run(module, x, counts, probs, grad_out):
     """Forward and backward on fresh leaves: (out, x grad, prob grad, fc1 grad, fc2 grad)."""
-    module.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(True)
-    probs = probs.detach().clone().requires_grad_(True)
-    out, bias = module(x, counts, probs)
-    assert bias is None
-    out.backward(grad_out)
+    out, x, probs = experts_step(module, x, counts, probs, grad_out)
     if hasattr(module, "local_experts"):
         fc1 = torch.stack([e.linear_fc1.weight.grad for e in module.local_experts])
         fc2 = torch.stack([e.linear_fc2.weight.grad for e in module.local_experts])
@@ -193,17 +182,11 @@ def test_cuda_graph_capture_forward_backward_matches_eager():
     experts, hidden, ffn, capacity = 8, 1024, 512, 4096
     module = _grouped(experts, hidden, ffn, seed=4)
     x, probs, grad_out = _rows(capacity, hidden, seed=9)
-    x.requires_grad_(True)
-    probs.requires_grad_(True)
     counts = _random_counts(experts, 3000, seed=10).to(DEVICE)
-    graph, static_out = capture_experts_step(module, x, counts, probs, grad_out)
-
     # New rows, probabilities, gradient and a different number of valid rows per expert.
     new_counts = _random_counts(experts, 3500, seed=11, empty=(5,)).to(DEVICE)
     new_x, new_probs, new_grad = _rows(capacity, hidden, seed=12)
-    refill((x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
-    graph.replay()
-    torch.cuda.synchronize()
+    static_out = replay_with_new_inputs(module, (x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
     valid = 3500
     replayed = (static_out[:valid].clone(), x.grad[:valid].clone(), probs.grad[:valid].clone(),
                 module.fc1_weight.grad.clone(), module.fc2_weight.grad.clone())
