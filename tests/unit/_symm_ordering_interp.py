@@ -14,7 +14,9 @@ computed from the route map alone. Adversarial delays (seeded, or one rank alway
 the fast peer's writes land as early as the barriers allow.
 
 --unfenced-poison replays the pre-fix poison (fill without a barrier): the run must then fail,
-which shows that the check can see the race. Exits 0 when every case passes.
+which shows that the check can see the race. --fused-route-map runs FUSED_CASES with the GPU
+route map (Triton select/plan/place kernels, counts exchanged over the simulated symmetric
+memory) instead of the torch one. Exits 0 when every case passes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import sys
 
 import torch
 
+from megatron_ext.kernels import route_plan
+from megatron_ext.moe import fused_routes
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.route_map import route
 from megatron_ext.moe.transport import symm
@@ -32,6 +36,7 @@ from megatron_ext.moe.transport.symm import SymmRowTransport
 from megatron_ext.testing.threaded_peers import ThreadedPeers, serialize_kernels, sleep_ms
 
 serialize_kernels(symm)
+serialize_kernels(route_plan, names=("select_routes", "plan_and_place"))
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 32, 8, 2, 2
 
@@ -44,6 +49,10 @@ CASES = {
     "cf1.25_two_mb_reversed_no_poison": (2, 1.25, 2, "F0 F1 B1 B0", False, "random", 20),
     "cf1.0_two_mb_late_rank1_poison": (2, 1.0, 2, "F0 F1 B1 B0", True, "late1", 6),
     "ep4_cf1.0_poison_random": (4, 1.0, 1, "F0 B0", True, "random", 6),
+}
+FUSED_CASES = {
+    "fused_cf1.0_two_mb_reversed_poison": (2, 1.0, 2, "F0 F1 B1 B0", True, "random", 8),
+    "fused_ep4_cf1.0_poison_late_rank1": (4, 1.0, 1, "F0 B0", True, "late1", 4),
 }
 
 
@@ -62,7 +71,17 @@ def step_inputs(world: int, step: int, mb: int, rank: int):
     return top_idx, tokens, probs, grad_out
 
 
-def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed):
+def fused_route_map(top_idx, probs, num_experts, capacity, transport, rank):
+    """The GPU path's route map from the [T, E] routing map these routes make."""
+    routing_map = torch.zeros(top_idx.shape[0], num_experts, dtype=torch.bool).scatter_(1, top_idx, True)
+    dense_probs = torch.zeros(routing_map.shape).scatter_(1, top_idx, probs)
+    fused_idx, _, selection = fused_routes.select(routing_map, dense_probs, top_idx.shape[1])
+    assert torch.equal(fused_idx.long(), top_idx), "fused select reordered the routes"
+    return fused_routes.route(selection, top_idx.shape[1], capacity, gather_counts=transport.gather_counts,
+                              ep_rank=rank, need_row_source=False)
+
+
+def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fused=False):
     num_experts = EXPERTS_PER_RANK * world
     capacity = rank_capacity(TOKENS, TOPK, world, cf, False)
     transport = SymmRowTransport(None, capacity, lease_slots=slots, poison=poison,
@@ -83,7 +102,10 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed):
             wait()
             if kind == "F":
                 top_idx, tokens, probs, _ = step_inputs(world, step, mb, rank)
-                rmap = route(top_idx, num_experts, capacity, gather_counts=transport.gather_counts, ep_rank=rank)
+                if fused:
+                    rmap = fused_route_map(top_idx, probs, num_experts, capacity, transport, rank)
+                else:
+                    rmap = route(top_idx, num_experts, capacity, gather_counts=transport.gather_counts, ep_rank=rank)
                 slot, lease = transport.dispatch(tokens, rmap)
                 valid = (torch.arange(capacity) < rmap.recv_offsets[-1])[:, None]
                 rows_at_dispatch = slot.clone()
@@ -115,9 +137,10 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed):
 
 def run_case(name: str, seed: int = 0):
     global PEERS
-    world, cf, slots, schedule, poison, delay, steps = CASES[name]
+    fused = name in FUSED_CASES
+    world, cf, slots, schedule, poison, delay, steps = (FUSED_CASES if fused else CASES)[name]
     PEERS = ThreadedPeers(world)
-    results = PEERS.run(rank_main, world, cf, slots, schedule, poison, delay, steps, seed)
+    results = PEERS.run(rank_main, world, cf, slots, schedule, poison, delay, steps, seed, fused)
     failures = [f for rank_failures, _ in results for f in rank_failures]
     dropped = sum(d for _, d in results)
     return failures, dropped, PEERS.barriers_passed
@@ -127,6 +150,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--unfenced-poison", action="store_true")
     parser.add_argument("--case", action="append", choices=sorted(CASES))
+    parser.add_argument("--fused-route-map", action="store_true", help="run FUSED_CASES instead")
     args = parser.parse_args()
     if args.unfenced_poison:  # the pre-fix behaviour: fill without ordering against peers
         from megatron_ext.moe import buffers
@@ -135,7 +159,7 @@ def main() -> int:
             buffer.local.fill_(float("nan"))
         buffers.poison_then_fence = symm.poison_then_fence = unfenced
     bad = 0
-    for name in args.case or CASES:
+    for name in (FUSED_CASES if args.fused_route_map else args.case or CASES):
         failures, dropped, barriers = run_case(name)
         status = "FAIL" if failures else "ok"
         print(f"{status} {name}: dropped routes {dropped}, barriers per rank {barriers}")

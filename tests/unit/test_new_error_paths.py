@@ -69,3 +69,27 @@ def test_watchdog_names_the_overdue_phase_and_ends_the_process(monkeypatch, caps
     fresh = BarrierWatchdog(timeout_s=60, group=None)
     fresh._pending.append(("dispatch", _Event(False), time.monotonic()))
     assert fresh.overdue() is None  # pending, but within the timeout
+
+
+def test_capture_failure_on_the_legacy_stream_says_how_to_build_ddp():
+    """A capture failing on gradient accumulators made on the legacy stream names the fix."""
+    from megatron_ext.cuda_graphs.capture import _hint
+
+    error = RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing blocking stream")
+    hint = _hint(error)
+    assert "DistributedDataParallel" in hint and "torch.cuda.stream(torch.cuda.Stream())" in hint
+    assert _hint(RuntimeError("an unrelated failure")) == ""
+
+
+def test_fused_route_map_refuses_experts_not_sharded_evenly_before_any_kernel():
+    from megatron_ext.moe import fused_routes
+
+    selection = fused_routes.Selection(routing_map=torch.zeros(8, 6, dtype=torch.bool),
+                                       counts=torch.zeros(6, dtype=torch.int32),
+                                       block_hist=torch.zeros(1, 6, dtype=torch.int32),
+                                       nonfinite=torch.zeros((), dtype=torch.int32))
+    table = torch.zeros(4, 6, dtype=torch.int32)  # 6 experts over 4 EP ranks
+    with pytest.raises(ValueError, match="6 experts cannot be sharded over 4 EP ranks"):
+        fused_routes.route(selection, 2, 16, gather_counts=lambda counts: table, ep_rank=0)
+    with pytest.raises(ValueError, match="capacity must be >= 0 rows, got -1"):
+        fused_routes.route(selection, 2, -1, gather_counts=lambda counts: table[:3], ep_rank=0)

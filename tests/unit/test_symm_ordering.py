@@ -26,3 +26,13 @@ def test_unfenced_poison_is_caught():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.count("FAIL ") == 2 and "NaN" in proc.stdout, proc.stdout
+
+
+def test_fused_route_map_phases_are_ordered_on_simulated_ranks():
+    """The GPU route map (Triton kernels, the default on GPUs) on 2 and 4 simulated ranks: the plan
+    reads the count table peers PUT over symmetric memory, then the same checks as above."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_symm_ordering_interp.py"),
+                           "--fused-route-map"], env=dict(os.environ, TRITON_INTERPRET="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok fused_") == 2, proc.stdout
