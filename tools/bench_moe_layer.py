@@ -5,6 +5,7 @@ Paths (same router weights, expert weights, tokens and output gradients):
   megatron_alltoall_gg     Megatron's alltoall dispatcher with DeviceOffsetGroupedMLP experts
   rowwise_torch            RowwiseMoELayer, reference all_to_all transport
   rowwise_symm             RowwiseMoELayer, symmetric-memory Triton transport
+  rowwise_symm_megatron_router  rowwise_symm with Megatron's own routing (fused_router=False)
   rowwise_symm_graph       rowwise_symm captured in one CUDA graph (forward+backward), replayed
   rowwise_symm_mxfp8       rowwise_symm with MXFP8 dispatch payloads (quantize, PUT, dequantize)
   rowwise_symm_mxfp8_graph rowwise_symm_mxfp8 captured in one CUDA graph (no host submission cost)
@@ -31,8 +32,8 @@ from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, 
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
-PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_graph",
-         "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph")
+PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_megatron_router",
+         "rowwise_symm_graph", "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph")
 
 
 def build(path: str, args, weights):
@@ -40,8 +41,10 @@ def build(path: str, args, weights):
     from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
     from megatron_ext.specs import moe_builder
 
+    aux = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=args.aux_loss_coeff) \
+        if args.aux_loss_coeff else {}
     config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
-                        dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32")
+                        dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32", **aux)
     if path == "megatron_alltoall":
         layer = megatron_moe_layer(config)
     elif path == "megatron_alltoall_gg":
@@ -49,8 +52,8 @@ def build(path: str, args, weights):
     else:
         transport = "torch" if path == "rowwise_torch" else "symm"
         layer = moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor,
-                                         dropless=args.dropless,
-                                         mxfp8_dispatch="mxfp8" in path))(config=config)
+                                         dropless=args.dropless, mxfp8_dispatch="mxfp8" in path,
+                                         fused_router="megatron_router" not in path))(config=config)
     layer = layer.cuda()
     load_weights(layer, weights)
     return layer
@@ -108,6 +111,11 @@ def measure(path, args, weights, x, grad_out, flops):
         result["kernels"] = profile_kernels(step, iters=3, top=args.profile_top)
         result["host_hotspots"] = host_hotspots(step, top=args.profile_top)
         result["host_cumulative"] = host_hotspots(step, top=args.profile_top, sort="cumulative")
+    if path in args.host_phases.split(","):
+        from megatron_ext.bench.host_phases import backward_nodes, forward_phase_ms
+
+        result["host_phases_ms"] = forward_phase_ms(layer, x, grad_out, iters=args.iters)
+        result["backward_nodes"] = backward_nodes(step, top=args.profile_top)
     if hasattr(layer, "read_metrics"):
         metrics = layer.read_metrics()
         if metrics:
@@ -130,12 +138,16 @@ def main():
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--dropless", action="store_true")
+    parser.add_argument("--aux-loss-coeff", type=float, default=0.0,
+                        help="Megatron's load-balancing loss (aux_loss) with this coefficient; 0: none")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--name", default="moe_layer")
     parser.add_argument("--profile", default="", help="comma-separated paths to profile (kernels, host hotspots)")
     parser.add_argument("--profile-top", type=int, default=12, help="kernels and host functions listed per profile")
+    parser.add_argument("--host-phases", default="",
+                        help="comma-separated paths: host ms per forward phase and the costliest backward nodes")
     args = parser.parse_args()
     require_cuda("tools/bench_moe_layer.py")
     init_single_rank_megatron()
@@ -145,6 +157,12 @@ def main():
     grad_out = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
     flops = moe_model_flops(args.tokens, args.topk, args.hidden, args.ffn)
     dense = dense_gemm_tflops(flops / 3, args.hidden)
+    unit_costs = None
+    if args.host_phases:
+        from megatron_ext.bench.host_phases import unit_costs_us
+
+        unit_costs = unit_costs_us()
+        print("host unit costs (us):", {k: round(v, 1) for k, v in unit_costs.items()}, flush=True)
     rows = []
     for path in args.paths.split(","):
         try:
@@ -155,9 +173,14 @@ def main():
             print("  host:", line, flush=True)
         for line in rows[-1].get("host_cumulative", []):
             print("  host cumulative:", line, flush=True)
+        for name, ms in rows[-1].get("host_phases_ms", {}).items():
+            print(f"  host phase: {ms:7.3f} ms {name}")
+        for node in rows[-1].get("backward_nodes", []):
+            print(f"  backward node: {node['cpu_us']:7.1f} us x{node['calls']:.0f} {node['node']}")
         for kernel in rows[-1].get("kernels", {}).get("top_kernels", []):
             print(f"  kernel: {kernel['ms_per_iter']:7.3f} ms x{kernel['calls_per_iter']:.0f} {kernel['name'][:110]}")
-        print({k: v for k, v in rows[-1].items() if k not in ("kernels", "host_hotspots", "host_cumulative")},
+        print({k: v for k, v in rows[-1].items()
+               if k not in ("kernels", "host_hotspots", "host_cumulative", "host_phases_ms", "backward_nodes")},
               flush=True)
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
@@ -174,7 +197,8 @@ def main():
         speed = f"{r['speedup_vs_megatron']:.2f}x" if base else "-"
         print(f"{r['path']:22s} {r['fwd_bwd_ms']:10.2f} {r['tflops']:8.0f} {r['pct_dense_gemm']:6.0f}% {speed:>8s} "
               f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f}")
-    path = write_result(args.name, {"args": vars(args), "dense_gemm_tflops": dense, "rows": rows})
+    path = write_result(args.name, {"args": vars(args), "dense_gemm_tflops": dense, "host_unit_costs_us": unit_costs,
+                                         "rows": rows})
     print(f"wrote {path}")
 
 
