@@ -1,10 +1,12 @@
 """Spec builders: Megatron's GPT specs with megatron_ext's MoE parts, and a swap for any spec tree.
 
 Composition only: the MLP slot of each MoE layer becomes
-`partial(RowwiseMoELayer, submodules=MoESubmodules(experts=DeviceOffsetGroupedMLP, ...), ext_config=...)`
-(or Megatron's MoELayer with only the experts swapped, for dispatcher="megatron"; there a config
-the grouped experts cannot serve gets the original spec's experts, with one logged line). Router
-and shared-expert builders are kept from the original spec. Usable from the command line as
+`partial(RowwiseMoELayer, submodules=MoESubmodules(experts=DeviceOffsetGroupedMLP,
+router=FusedTopKRouter, ...), ext_config=...)`, or Megatron's MoELayer with only the experts
+swapped for dispatcher="megatron" (there a config the grouped experts cannot serve gets the
+original spec's experts, with one logged line). Shared-expert builders, and router builders
+other than Megatron's TopKRouter (or all of them with `fused_router=False`), are kept from the
+original spec. Usable from the command line as
 `--spec megatron_ext.specs gpt_block_spec`. Written against megatron-core 0.19.2, where the
 MLP slot is a builder callable (functools.partial of MoELayer).
 """
@@ -16,10 +18,12 @@ import functools
 import logging
 
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: F401
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from megatron_ext.moe.fused_router import FusedTopKRouter
 from megatron_ext.moe.layer import RowwiseMoELayer
 
 _default_ext_config: MoEExtConfig | None = None
@@ -49,7 +53,8 @@ def _moe_submodules_of(builder) -> MoESubmodules:
 
 
 def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | None = None):
-    """The MLP-slot builder for one MoE layer, keeping `base`'s router and shared experts."""
+    """The MLP-slot builder for one MoE layer, keeping `base`'s shared experts (and its router,
+    unless that is Megatron's TopKRouter and `fused_router` is on)."""
     ext_config = ext_config or default_ext_config()
     if ext_config.ddp_buckets:  # a model-wrapping setting: no layer can honour it, so never drop it silently
         raise ValueError("ddp_buckets=True is not applied by the MoE layers: wrap your DistributedDataParallel with "
@@ -68,6 +73,10 @@ def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | No
                                     debug_checks=ext_config.debug_checks)
         return functools.partial(MoELayer, submodules=dataclasses.replace(base, experts=experts))
     submodules = dataclasses.replace(base, experts=experts)
+    # The fused router hands the fused route map its selection, so it needs that on too; a user's
+    # own router class is kept.
+    if ext_config.fused_router and ext_config.fused_route_map and base.router is TopKRouter:
+        submodules = dataclasses.replace(submodules, router=FusedTopKRouter)
     return functools.partial(RowwiseMoELayer, submodules=submodules, ext_config=ext_config)
 
 

@@ -10,6 +10,7 @@ min..max over the repeats), the peak memory and the loss over the last steps. Va
                     (alltoall dispatcher + SequentialMLP without Transformer Engine), dropless
   ext_experts       Megatron's alltoall dispatcher + megatron_ext's grouped experts
   rowwise           megatron_ext's rowwise layer as the case configures it (capacity factor)
+  rowwise_megatron_router  the same with Megatron's own top-k routing (--moe-ext-no-fused-router)
   rowwise_dropless  the same, capacity sized so nothing is dropped (same work as Megatron's)
   rowwise_graphs    the rowwise layer captured in CUDA graphs (--moe-ext-cuda-graphs)
   rowwise_layer_graphs  whole transformer layers (attention and the rowwise MoE layer) captured by
@@ -41,6 +42,7 @@ VARIANTS = {
     "megatron": ["--spec", "megatron.training.models.gpt", "default_layer_spec"],
     "ext_experts": ["--moe-ext-dispatcher", "megatron", "--moe-ext-transport", "auto"],
     "rowwise": [],
+    "rowwise_megatron_router": ["--moe-ext-no-fused-router"],
     "rowwise_dropless": ["--moe-ext-dropless"],
     "rowwise_graphs": ["--moe-ext-cuda-graphs"],
     "rowwise_layer_graphs": ["--cuda-graph-impl", "local"],

@@ -112,7 +112,8 @@ def routing_digest(layer, step) -> str:
     seen = {}
 
     def hook(module, inputs, output):
-        seen["map"] = output[1].detach().to("cpu", copy=True)
+        routing_map = getattr(output[1], "routing_map", output[1])  # FusedTopKRouter hands a Selection
+        seen["map"] = routing_map.detach().to("cpu", copy=True)
 
     handle = layer.router.register_forward_hook(hook)
     try:

@@ -2,7 +2,8 @@
 
 Megatron's alltoall dispatcher permutes rows per peer, waits on the host for split sizes, runs
 a variable-split all-to-all, then permutes again. Here every step stays on the device:
-  dispatch_preprocess  routing_map [T, E] -> top-k expert ids [T, K] and their probs (fp32)
+  dispatch_preprocess  routing_map [T, E] -> top-k expert ids [T, K] and their probs (fp32), or
+                       FusedTopKRouter's selection and top-k probs as they are
   token_dispatch       route map (one [E] count all-gather), PUT rows into capacity buffers
   dispatch_postprocess the buffer itself plus per-local-expert counts on the device
   token_combine        GET the K expert rows per token, prob-weighted sum in fp32
@@ -75,7 +76,9 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = tokens.shape
         hidden = tokens.reshape(-1, tokens.shape[-1])
         self._ensure_transport(hidden.shape[0], hidden.device)
-        if self.ext_config.fused_route_map and hidden.is_cuda:
+        if isinstance(routing_map, fused_routes.Selection):  # FusedTopKRouter selected already
+            self.top_idx, top_probs, self.selection = routing_map.top_idx, probs, routing_map
+        elif self.ext_config.fused_route_map and hidden.is_cuda:
             self.top_idx, top_probs, self.selection = fused_routes.select(routing_map, probs, self.topk)
         else:
             self.top_idx, self.selection = routing_map_to_topk(routing_map, self.topk), None

@@ -19,12 +19,14 @@ from megatron_ext.moe.route_map import (RouteMap, RouteMetrics, check_plan, exch
 
 @dataclass(frozen=True)
 class Selection:
-    """What `select` hands `route`: the routing map and its per-block expert histograms."""
+    """What `select` (or moe/fused_router's router) hands `route`: the routing map and its
+    per-block expert histograms."""
 
     routing_map: torch.Tensor  # [T, E] bool
     counts: torch.Tensor  # [E] int32, this rank's routes per global expert
     block_hist: torch.Tensor  # [B, E] int32, the same per block of tokens
     nonfinite: torch.Tensor  # [] int32, selected routes whose probability is NaN/Inf
+    top_idx: torch.Tensor | None = None  # [T, K] int32 ascending, set by FusedTopKRouter
 
 
 class _SelectRoutes(torch.autograd.Function):

@@ -128,3 +128,31 @@ def _shared_experts_rank(rank, world):
 
 def test_shared_experts_keep_working():
     run_on_ranks(_shared_experts_rank, 2, sizes=ParallelSizes(ep=2))
+
+
+def _fused_router_rank(rank, world):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_ext.moe.fused_router import FusedTopKRouter
+
+    def build(cls, **overrides):
+        config = moe_config(hidden=16, experts=8, topk=2, moe_router_load_balancing_type="aux_loss",
+                            moe_aux_loss_coeff=1e-2, **overrides)
+        torch.manual_seed(3)
+        return cls(config=config, pg_collection=get_default_pg_collection())
+
+    assert build(FusedTopKRouter).unfused == []
+    sigmoid = build(FusedTopKRouter, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    assert sigmoid.unfused == ["moe_router_score_function='sigmoid'", "moe_router_enable_expert_bias"]
+    assert build(FusedTopKRouter, moe_z_loss_coeff=1e-3).unfused == ["moe_z_loss_coeff"]
+    # CPU tensors (and unfused configurations) run Megatron's own routing: [T, E] outputs, equal
+    fused, megatron = build(FusedTopKRouter), build(TopKRouter)
+    assert torch.equal(fused.weight, megatron.weight)
+    x = torch.randn(6, 1, 16)
+    for got, want in zip(fused(x), megatron(x)):
+        assert torch.equal(got, want)
+
+
+def test_fused_router_names_what_it_does_not_fuse_and_falls_back_on_cpu():
+    run_on_ranks(_fused_router_rank, 1, sizes=ParallelSizes())

@@ -36,7 +36,7 @@ def test_defaults_round_trip(megatron_parser):
 @pytest.mark.parametrize("config", [
     MoEExtConfig(dispatcher="megatron", capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096,
                  ddp_buckets=True, metrics_interval=10, debug_poison=True, debug_checks=True, lease_slots=3,
-                 fused_route_map=False),
+                 fused_route_map=False, fused_router=False),
     MoEExtConfig(transport="symm", mxfp8_dispatch=True, cuda_graphs=True, capacity_factor=1.0),
     MoEExtConfig(transport="torch", replica_check_interval=5),
     MoEExtConfig(transport="deepep", max_tokens_per_rank=1),

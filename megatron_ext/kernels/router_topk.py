@@ -1,0 +1,151 @@
+"""Megatron's top-k softmax routing in one Triton kernel each way (docs/design.md, "Fused router").
+
+Forward, per block of BLOCK_TOKENS tokens, from the router logits [T, E]:
+  top-k     K rounds of "largest logit not yet taken, lowest expert id on ties"; NaN counts as
+            the largest, as in torch.topk
+  probs     softmax over the K selected logits (or, pre-softmax, the full softmax at them), times
+            the scaling factor, rounded through the logits' dtype as Megatron's `type_as` does
+  route     what the rowwise route map needs (kernels/route_plan.py's select kernel outputs):
+            the [T, E] routing map, top-k ids ascending, their probs (fp32), per-expert counts,
+            per-block histograms, the count of non-finite selected probs
+  aux       per-block sums of the full softmax over tokens, [B, E] (the load-balancing loss's
+            P_i before the final sum; summed by torch so the order is fixed)
+Backward, one kernel: the logits' gradient from the top-k probs' gradient (softmax over the
+selected logits, or the full softmax when pre-softmax) plus the aux sums' gradient (full softmax).
+
+Cost removed: Megatron's routing (topk, softmax, two scatters into [T, E], the aux-loss softmax,
+topk and scatter, a sum) and the separate select kernel: about 20 launches and 10 autograd
+nodes per layer step. Cost accepted: softmax and sums in a different order than torch's, so
+probabilities and the aux loss agree with Megatron's to fp32 rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_ext.kernels.route_plan import BLOCK_TOKENS
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _load_logits(logits_ptr, block, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(tokens, experts, inside, offsets into [T, E], logits in fp32 with -inf outside)."""
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    inside = (tokens[:, None] < T) & (experts[None, :] < E)
+    offsets = tokens[:, None].to(tl.int64) * E + experts[None, :]
+    logits = tl.load(logits_ptr + offsets, mask=inside, other=float("-inf")).to(tl.float32)
+    return tokens, experts, inside, offsets, logits
+
+
+@triton.jit
+def _softmax_rows(logits, keep):
+    """Row softmax of `logits` over the entries where `keep` is set, 0 elsewhere."""
+    top = tl.max(tl.where(keep, logits, float("-inf")), axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # rows with nothing kept: no inf - inf
+    exp = tl.where(keep, tl.exp(logits - top[:, None]), 0.0)
+    total = tl.sum(exp, axis=1)
+    return exp / tl.where(total == 0.0, 1.0, total)[:, None]
+
+
+@triton.jit
+def _router_topk_kernel(logits_ptr, map_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr,
+                        score_sums_ptr, T, E, scale, K: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
+                        SCORE_SUMS: tl.constexpr, PROBS_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_E: tl.constexpr):
+    block = tl.program_id(0)
+    tokens, experts, inside, offsets, logits = _load_logits(logits_ptr, block, T, E, BLOCK_T, BLOCK_E)
+    key = tl.where(logits != logits, float("inf"), logits)  # NaN ranks first, as in torch.topk
+    taken = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
+    for _ in tl.static_range(K):
+        candidate = inside & ~taken
+        best = tl.max(tl.where(candidate, key, float("-inf")), axis=1)
+        pick = tl.min(tl.where(candidate & (key == best[:, None]), experts[None, :], BLOCK_E), axis=1)
+        taken = taken | (experts[None, :] == pick[:, None])
+    if PRE_SOFTMAX:
+        probs = _softmax_rows(logits, inside)
+    else:
+        probs = _softmax_rows(logits, taken)
+    probs = (probs * scale).to(PROBS_DTYPE).to(tl.float32)  # Megatron's probs.type_as(logits)
+    slot = tl.cumsum(taken.to(tl.int32), axis=1) - 1
+    out = tokens[:, None].to(tl.int64) * K + slot
+    tl.store(map_ptr + offsets, taken.to(tl.int8), mask=inside)
+    tl.store(top_idx_ptr + out, (experts[None, :] + tl.zeros_like(slot)).to(tl.int32), mask=taken)
+    tl.store(top_probs_ptr + out, probs, mask=taken)
+    block_counts = tl.sum(taken.to(tl.int32), axis=0)
+    tl.store(hist_ptr + block * E + experts, block_counts, mask=experts < E)
+    tl.atomic_add(counts_ptr + experts, block_counts, mask=experts < E)
+    bad = taken & ((probs != probs) | (tl.abs(probs) == float("inf")))
+    tl.atomic_add(nonfinite_ptr, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+    if SCORE_SUMS:
+        scores = _softmax_rows(logits, inside)
+        tl.store(score_sums_ptr + block * E + experts, tl.sum(scores, axis=0), mask=experts < E)
+
+
+@triton.jit
+def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_sums_ptr, grad_logits_ptr, T, E, scale,
+                                 K: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_GRAD_TOP: tl.constexpr,
+                                 HAS_GRAD_SUMS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    tokens, experts, inside, offsets, logits = _load_logits(logits_ptr, tl.program_id(0), T, E, BLOCK_T, BLOCK_E)
+    taken = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
+    scores = _softmax_rows(logits, inside)
+    grad = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if HAS_GRAD_TOP:
+        slot = tl.cumsum(taken.to(tl.int32), axis=1) - 1
+        g = tl.load(grad_top_ptr + tokens[:, None].to(tl.int64) * K + slot, mask=taken, other=0.0) * scale
+        if PRE_SOFTMAX:  # probs = softmax(all logits) at the selected experts
+            grad += scores * (g - tl.sum(scores * g, axis=1)[:, None])
+        else:  # probs = softmax(selected logits)
+            probs = _softmax_rows(logits, taken)
+            grad += probs * (g - tl.sum(probs * g, axis=1)[:, None])
+    if HAS_GRAD_SUMS:  # score_sums[e] = sum over tokens of softmax(all logits)[t, e]
+        a = tl.load(grad_sums_ptr + experts, mask=experts < E, other=0.0)[None, :]
+        grad += scores * (a - tl.sum(scores * a, axis=1)[:, None])
+    tl.store(grad_logits_ptr + offsets, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
+
+
+def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scale: float = 1.0,
+                score_sums: bool = False) -> dict:
+    """[T, E] logits -> dict of routing_map [T, E] bool, top_idx [T, K] int32 ascending, top_probs
+    [T, K] fp32, counts [E] int32, hist [B, E] int32, nonfinite [] int32 and, with `score_sums`,
+    score_sums [E] fp32 (sum over tokens of the full softmax). Not differentiable; see
+    megatron_ext.moe.fused_router for the autograd wrapper."""
+    num_tokens, num_experts = logits.shape
+    device = logits.device
+    blocks = triton.cdiv(num_tokens, BLOCK_TOKENS)
+    routing_map = torch.empty(num_tokens, num_experts, dtype=torch.bool, device=device)
+    top_idx = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    top_probs = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
+    counts_and_nonfinite = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)  # one memset
+    hist = torch.empty(blocks, num_experts, dtype=torch.int32, device=device)
+    partial_sums = torch.empty(blocks if score_sums else 1, num_experts, dtype=torch.float32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
+    _router_topk_kernel[(blocks,)](
+        logits, routing_map.view(torch.int8), top_idx, top_probs, counts_and_nonfinite, hist,
+        counts_and_nonfinite[num_experts:], partial_sums, num_tokens, num_experts, float(scale), K=topk,
+        PRE_SOFTMAX=pre_softmax, SCORE_SUMS=score_sums, PROBS_DTYPE=_TL_DTYPES[logits.dtype],
+        BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, num_warps=4 if block_e <= 128 else 8)
+    return {"routing_map": routing_map, "top_idx": top_idx, "top_probs": top_probs,
+            "counts": counts_and_nonfinite[:num_experts], "hist": hist, "nonfinite": counts_and_nonfinite[num_experts],
+            "score_sums": partial_sums.sum(0) if score_sums else None}
+
+
+def router_topk_backward(logits: torch.Tensor, routing_map: torch.Tensor, grad_top_probs: torch.Tensor | None,
+                         grad_score_sums: torch.Tensor | None, topk: int, pre_softmax: bool,
+                         scale: float) -> torch.Tensor:
+    """Gradient of router_topk's top_probs and score_sums -> [T, E] in the logits' dtype."""
+    num_tokens, num_experts = logits.shape
+    grad = torch.empty_like(logits)
+    block_e = triton.next_power_of_2(num_experts)
+    dummy = logits  # never read: the HAS_* flag is off
+    _router_topk_backward_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
+        logits, routing_map.view(torch.int8),
+        grad_top_probs.contiguous() if grad_top_probs is not None else dummy,
+        grad_score_sums.contiguous() if grad_score_sums is not None else dummy, grad, num_tokens, num_experts,
+        float(scale), K=topk, PRE_SOFTMAX=pre_softmax,
+        HAS_GRAD_TOP=grad_top_probs is not None, HAS_GRAD_SUMS=grad_score_sums is not None,
+        BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, num_warps=4 if block_e <= 128 else 8)
+    return grad

@@ -1,0 +1,137 @@
+"""FusedTopKRouter: Megatron's TopKRouter whose softmax top-k routing and load-balancing loss run
+in one Triton kernel each way (kernels/router_topk.py; docs/design.md, "Fused router").
+
+It is a TopKRouter (same parameters, state dict, initialization, aux-loss logging and scaling
+through Megatron's own `attach_and_log_load_balancing_loss`). The gating GEMM and the routing
+after it form one autograd node (`_Routing`), and instead of Megatron's [T, E] probabilities and routing map
+it hands the rowwise dispatcher the top-k probabilities [T, K] and a fused_routes.Selection (ids,
+counts, histograms), so the dispatcher's select kernel is skipped too. Configurations it does
+not fuse (`unfused_reasons`), padded batches and CPU tensors run TopKRouter.forward unchanged,
+and the dispatcher takes either. Installed by megatron_ext.specs for the rowwise dispatcher
+(`MoEExtConfig.fused_router`). Written against megatron-core 0.19.2 (transformer/moe/router.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_ext.moe.fused_routes import Selection
+
+
+def _gate(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
+    """Router logits [T, E] in `logits_dtype` (Megatron's router dtype). bf16/fp16 operands with
+    fp32 logits take one GEMM with fp32 output: the products of 16-bit values are exact in fp32,
+    so this is Megatron's fp32 GEMM of the upcast operands up to the order of the fp32 sums,
+    without the two casts (a [T, H] fp32 copy of the tokens)."""
+    if hidden.dtype == weight.dtype == logits_dtype:
+        return torch.mm(hidden, weight.t())
+    if hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16) \
+            and logits_dtype == torch.float32 and hidden.is_cuda:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return torch.mm(hidden.to(logits_dtype), weight.to(logits_dtype).t())
+
+
+class _Routing(torch.autograd.Function):
+    """Gating GEMM and fused top-k routing as one autograd node (one node instead of ~12)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, logits_dtype: torch.dtype, topk: int, pre_softmax: bool, scale: float,
+                with_score_sums: bool):
+        from megatron_ext.kernels.router_topk import router_topk
+
+        logits = _gate(hidden, weight, logits_dtype)
+        out = router_topk(logits, topk, pre_softmax, scale, score_sums=with_score_sums)
+        ctx.save_for_backward(hidden, weight, logits, out["routing_map"])
+        ctx.topk, ctx.pre_softmax, ctx.scale, ctx.with_score_sums = topk, pre_softmax, scale, with_score_sums
+        ctx.set_materialize_grads(False)
+        score_sums = out["score_sums"] if with_score_sums else logits.new_zeros(0)
+        non_differentiable = [out[name] for name in ("routing_map", "top_idx", "counts", "hist", "nonfinite")]
+        ctx.mark_non_differentiable(*non_differentiable)
+        return out["top_probs"], score_sums, *non_differentiable
+
+    @staticmethod
+    def backward(ctx, grad_top_probs, grad_score_sums, *unused):
+        from megatron_ext.kernels.router_topk import router_topk_backward
+
+        if not ctx.with_score_sums:
+            grad_score_sums = None
+        if grad_top_probs is None and grad_score_sums is None:
+            return (None,) * 7
+        hidden, weight, logits, routing_map = ctx.saved_tensors
+        grad_logits = router_topk_backward(logits, routing_map, grad_top_probs, grad_score_sums, ctx.topk,
+                                           ctx.pre_softmax, ctx.scale)
+        # As Megatron's RouterGatingLinearFunction.backward: GEMMs in the router dtype, then cast.
+        grad_hidden = torch.mm(grad_logits, weight.to(grad_logits.dtype)).to(hidden.dtype)
+        grad_weight = torch.mm(grad_logits.t(), hidden.to(grad_logits.dtype)).to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def fused_routing(hidden: torch.Tensor, weight: torch.Tensor, topk: int, logits_dtype: torch.dtype | None = None,
+                  pre_softmax: bool = False, scale: float = 1.0, with_score_sums: bool = False):
+    """Tokens [T, H] and router weight [E, H] -> (top_probs [T, K] fp32, score_sums [E] fp32 or an
+    empty tensor, Selection); top_probs and score_sums carry gradients to the tokens and the weight."""
+    top_probs, score_sums, routing_map, top_idx, counts, hist, nonfinite = _Routing.apply(
+        hidden, weight, logits_dtype or hidden.dtype, topk, pre_softmax, scale, with_score_sums)
+    return top_probs, score_sums, Selection(routing_map, counts, hist, nonfinite, top_idx=top_idx)
+
+
+def unfused_reasons(router: TopKRouter) -> list[str]:
+    """Why this router's configuration runs Megatron's routing instead of the fused kernel (empty: fused)."""
+    config = router.config
+    checks = [
+        (router.score_function != "softmax", f"moe_router_score_function={router.score_function!r}"),
+        (router.routing_type in ("sinkhorn", "quantile_balancing"),
+         f"moe_router_load_balancing_type={router.routing_type!r}"),
+        (router.get_aux_loss_coeff("seq_aux_loss") > 0, "seq_aux_loss"),
+        (router.get_aux_loss_coeff("global_aux_loss") > 0, "global_aux_loss"),
+        (bool(config.moe_router_num_groups or config.moe_router_group_topk), "group-limited routing"),
+        (router.enable_expert_bias, "moe_router_enable_expert_bias"),
+        (bool(config.moe_z_loss_coeff), "moe_z_loss_coeff"),
+        (config.moe_input_jitter_eps is not None, "moe_input_jitter_eps"),
+        (bool(config.moe_router_force_load_balancing), "moe_router_force_load_balancing"),
+        (getattr(config, "moe_router_force_biased", None) is not None, "moe_router_force_biased"),
+        (config.moe_expert_capacity_factor is not None, "moe_expert_capacity_factor"),
+        (config.moe_router_dtype == "fp64", "moe_router_dtype='fp64'"),
+        (bool(config.moe_router_fusion), "moe_router_fusion (Transformer Engine's fused router)"),
+        (router.router_replay is not None, "router replay"),
+        (router.bias is not None, "a router bias (add_bias_linear)"),
+    ]
+    return [reason for failed, reason in checks if failed]
+
+
+class FusedTopKRouter(TopKRouter):
+    """TopKRouter with the softmax top-k routing fused (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unfused = unfused_reasons(self)
+
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        if self.unfused or padding_mask is not None or not input.is_cuda:
+            return super().forward(input, padding_mask)
+        logits_dtype = torch.float32 if self.config.moe_router_dtype == "fp32" else input.dtype
+        with_aux = self.training and torch.is_grad_enabled() and self.get_aux_loss_coeff("aux_loss") > 0
+        top_probs, score_sums, selection = fused_routing(
+            input.reshape(-1, input.shape[-1]), self.weight, self.topk, logits_dtype,
+            bool(self.config.moe_router_pre_softmax), float(self.config.moe_router_topk_scaling_factor or 1.0),
+            with_aux)
+        if with_aux:
+            top_probs = self._attach_load_balancing_loss(top_probs, score_sums, selection.counts)
+        return top_probs, selection
+
+    def _attach_load_balancing_loss(self, top_probs, score_sums, counts):
+        """Megatron's switch load-balancing loss (moe_utils.switch_load_balancing_loss_func) from the
+        kernel's per-expert softmax sums, attached and logged by Megatron's own method."""
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        num_tokens, group_size = top_probs.shape[0], self.tp_cp_group.size()
+        tokens_per_expert = counts
+        if group_size > 1:  # the all-reduce is in place; the route map needs this rank's own counts
+            tokens_per_expert = reduce_from_tensor_model_parallel_region(counts.clone(), self.tp_cp_group)
+        total = num_tokens * group_size
+        aux_loss = torch.sum(score_sums * tokens_per_expert) * (
+            self.config.num_moe_experts * coeff / (self.topk * total * total))
+        return self.attach_and_log_load_balancing_loss(top_probs, coeff, aux_loss, "load_balancing_loss",
+                                                       self.tp_cp_group, valid_token_count=num_tokens)

@@ -1,0 +1,157 @@
+"""The fused router (moe/fused_router.py: gating GEMM + kernels/router_topk.py) against Megatron's
+own gating and routing functions under Triton's CPU interpreter: the same routing map, top-k
+probabilities, counts, load-balancing loss and token and weight gradients, with and without
+pre-softmax, a scaling factor, top-1, expert counts that are not powers of two, token counts that
+are not multiples of a block, bf16 logits, and a token whose logits hold a NaN (counted as
+non-finite, as Megatron's routing would give NaN); ties at the top-k boundary go to the lowest
+expert id.
+
+    TRITON_INTERPRET=1 python tests/unit/_router_topk_interp.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def megatron_routing(hidden, weight, topk, pre_softmax, scale, coeff):
+    """Megatron 0.19.2's gating GEMM, unfused softmax routing and switch load-balancing loss."""
+    from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                         router_gating_linear, switch_load_balancing_loss_func,
+                                                         topk_routing_with_score_function)
+
+    num_tokens, num_experts = hidden.shape[0], weight.shape[0]
+    logits = router_gating_linear(hidden, weight, None, hidden.dtype)
+    probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=pre_softmax,
+                                                          scaling_factor=scale, score_function="softmax")
+    aux_map, aux_scores = compute_routing_scores_for_aux_loss(logits, topk, "softmax")
+    aux = switch_load_balancing_loss_func(aux_scores, aux_map.sum(dim=0), num_tokens, topk, num_experts, coeff)
+    return probs, routing_map, aux
+
+
+def fused(hidden, weight, topk, pre_softmax, scale, coeff):
+    from megatron_ext.moe.fused_router import fused_routing
+
+    num_tokens, num_experts = hidden.shape[0], weight.shape[0]
+    top_probs, score_sums, selection = fused_routing(hidden, weight, topk, None, pre_softmax, scale or 1.0, True)
+    aux = torch.sum(score_sums * selection.counts) * (num_experts * coeff / (topk * num_tokens * num_tokens))
+    return top_probs, selection, aux
+
+
+def inputs(num_tokens, num_experts, dtype, gen):
+    """(hidden, router weight). bf16: logits with distinct values per row, exact in bf16 (an
+    identity weight), because ties are check_ties' subject."""
+    if dtype == torch.float32:
+        return torch.randn(num_tokens, 24, generator=gen), torch.randn(num_experts, 24, generator=gen) * 0.4
+    hidden = torch.stack([torch.randperm(num_experts, generator=gen) for _ in range(num_tokens)]) * 0.25 - 2
+    return hidden.to(dtype), torch.eye(num_experts, dtype=dtype)
+
+
+def check_case(num_tokens, num_experts, topk, pre_softmax, scale, dtype, seed, nan_token=None) -> None:
+    from megatron_ext.testing.reference import assert_close
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, weight = inputs(num_tokens, num_experts, dtype, gen)
+    if nan_token is not None:  # a NaN in a token's hidden state: all its logits are NaN
+        hidden[nan_token, 1] = float("nan")
+    d_probs = torch.randn(num_tokens, num_experts, generator=gen)  # d loss / d probs
+    coeff = 0.01
+    case = f"T={num_tokens} E={num_experts} K={topk} pre_softmax={pre_softmax} scale={scale} {dtype}"
+
+    leaves_ref = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    probs_ref, map_ref, aux_ref = megatron_routing(*leaves_ref, topk, pre_softmax, scale, coeff)
+    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    top_probs, selection, aux = fused(*leaves, topk, pre_softmax, scale, coeff)
+
+    finite = torch.ones(num_tokens, dtype=torch.bool)
+    if nan_token is not None:  # which K experts an all-NaN row gets is arbitrary; K of them, counted
+        finite[nan_token] = False
+        assert int(selection.routing_map[nan_token].sum()) == topk, f"{case}: routes of the NaN token"
+        assert int(selection.nonfinite) == topk, f"{case}: non-finite count"
+    assert torch.equal(selection.routing_map[finite], map_ref[finite]), f"{case}: routing map"
+    ids = selection.top_idx.long()
+    assert torch.equal(ids, ids.sort(dim=1).values), f"{case}: ids not ascending"
+    assert torch.equal(selection.routing_map.gather(1, ids), torch.ones_like(ids, dtype=torch.bool)), \
+        f"{case}: ids vs map"
+    assert torch.equal(selection.counts.long(), selection.routing_map.sum(0)), f"{case}: counts"
+    assert torch.equal(selection.block_hist.sum(0).long(), selection.routing_map.sum(0)), f"{case}: block histograms"
+    want_probs = probs_ref.gather(1, ids).float()
+    rtol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding step of the probs
+    torch.testing.assert_close(top_probs.detach()[finite], want_probs.detach()[finite], rtol=rtol, atol=1e-7,
+                               msg=lambda m: f"{case}: top-k probs\n{m}")
+    if nan_token is None:
+        torch.testing.assert_close(aux.detach(), aux_ref.detach().float(), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{case}: aux loss\n{m}")
+        (probs_ref.float() * d_probs).sum().add(aux_ref).backward()
+        (top_probs * d_probs.gather(1, ids)).sum().add(aux).backward()
+        for name, got, want in zip(("hidden", "weight"), leaves, leaves_ref):
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{case}: {name} gradient\n{m}")
+            else:  # bf16 GEMMs over gradients that differ by bf16 ulps: relative to the largest entry
+                assert_close(got.grad, want.grad, 2e-2, f"{case}: {name} gradient")
+    print(f"ok {case}")
+
+
+def check_without_aux() -> None:
+    """No load-balancing loss: the gradient comes from the probs alone, and no score sums are made."""
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear, topk_routing_with_score_function
+
+    from megatron_ext.moe.fused_router import fused_routing
+
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight = inputs(40, 12, torch.float32, gen)
+    d_probs = torch.randn(40, 12, generator=gen)
+    ref = hidden.clone().requires_grad_(True)
+    probs_ref, _ = topk_routing_with_score_function(router_gating_linear(ref, weight, None, torch.float32), 3,
+                                                    score_function="softmax")
+    (probs_ref * d_probs).sum().backward()
+    got = hidden.clone().requires_grad_(True)
+    top_probs, score_sums, selection = fused_routing(got, weight, 3)
+    assert score_sums.numel() == 0
+    (top_probs * d_probs.gather(1, selection.top_idx.long())).sum().backward()
+    torch.testing.assert_close(got.grad, ref.grad, rtol=1e-5, atol=1e-7)
+    print("ok without aux loss")
+
+
+def check_ties() -> None:
+    """Equal logits at the top-k boundary: the lowest expert id wins (torch.topk leaves the order
+    of ties unspecified; on bf16 logits they happen)."""
+    from megatron_ext.moe.fused_router import fused_routing
+
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0, -1.0],
+                           [3.0, 3.0, 3.0, 3.0, 3.0, 3.0],
+                           [-30.0, -30.0, 1.0, -30.0, -30.0, -30.0]])
+    _, _, selection = fused_routing(logits, torch.eye(6), 2)
+    assert selection.top_idx.tolist() == [[1, 3], [0, 1], [0, 2]], selection.top_idx.tolist()
+    print("ok ties")
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
+        return 2
+    cases = [  # T, E, K, pre_softmax, scale, dtype
+        (70, 8, 2, False, None, torch.float32),
+        (45, 6, 2, False, None, torch.float32),      # E not a power of two, T not a multiple of 32
+        (96, 64, 8, False, None, torch.float32),     # the reference shape's E and K
+        (33, 12, 3, True, None, torch.float32),      # pre-softmax
+        (40, 16, 4, False, 2.5, torch.float32),      # scaling factor
+        (50, 10, 1, False, None, torch.float32),     # top-1
+        (64, 16, 2, False, None, torch.bfloat16),    # bf16 logits (router dtype bf16)
+    ]
+    for seed, case in enumerate(cases):
+        check_case(*case, seed=10 * seed)
+    check_case(40, 8, 2, False, None, torch.float32, seed=99, nan_token=5)
+    check_without_aux()
+    check_ties()
+    print("all fused-router checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.exit(main())
