@@ -13,6 +13,8 @@ and the dispatcher takes either. Installed by megatron_ext.specs for the rowwise
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
@@ -32,33 +34,54 @@ def _gate(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype)
     return torch.mm(hidden.to(logits_dtype), weight.to(logits_dtype).t())
 
 
+@dataclass(frozen=True)
+class LoadBalancingLoss:
+    """Megatron's switch load-balancing loss as the routing node computes it:
+    `sum(P * tokens_per_expert) * scale` with P the per-expert sums of the full softmax,
+    scale = E * coeff / (K * total_tokens^2) (moe_utils.switch_load_balancing_loss_func), the
+    counts summed over `group` (Megatron's tp_cp group) when it has more than one rank."""
+
+    scale: float
+    group: object = None
+
+
 class _Routing(torch.autograd.Function):
-    """Gating GEMM and fused top-k routing as one autograd node (one node instead of ~12)."""
+    """Gating GEMM, fused top-k routing and the load-balancing loss as one autograd node (one
+    node instead of ~15)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, logits_dtype: torch.dtype, topk: int, pre_softmax: bool, scale: float,
-                with_score_sums: bool):
+                aux: LoadBalancingLoss | None):
         from megatron_ext.kernels.router_topk import router_topk
 
         logits = _gate(hidden, weight, logits_dtype)
-        out = router_topk(logits, topk, pre_softmax, scale, score_sums=with_score_sums)
-        ctx.save_for_backward(hidden, weight, logits, out["routing_map"])
-        ctx.topk, ctx.pre_softmax, ctx.scale, ctx.with_score_sums = topk, pre_softmax, scale, with_score_sums
+        out = router_topk(logits, topk, pre_softmax, scale, score_sums=aux is not None)
+        tokens_per_expert = out["counts"]
+        if aux is None:
+            aux_loss = logits.new_zeros(0)
+        else:
+            if aux.group is not None and aux.group.size() > 1:  # in place: the route map keeps its own counts
+                tokens_per_expert = tokens_per_expert.clone()
+                torch.distributed.all_reduce(tokens_per_expert, group=aux.group)
+            aux_loss = torch.sum(out["score_sums"] * tokens_per_expert) * aux.scale
+        ctx.save_for_backward(hidden, weight, logits, out["routing_map"], tokens_per_expert)
+        ctx.topk, ctx.pre_softmax, ctx.scale, ctx.aux = topk, pre_softmax, scale, aux
         ctx.set_materialize_grads(False)
-        score_sums = out["score_sums"] if with_score_sums else logits.new_zeros(0)
         non_differentiable = [out[name] for name in ("routing_map", "top_idx", "counts", "hist", "nonfinite")]
         ctx.mark_non_differentiable(*non_differentiable)
-        return out["top_probs"], score_sums, *non_differentiable
+        return out["top_probs"], aux_loss, *non_differentiable
 
     @staticmethod
-    def backward(ctx, grad_top_probs, grad_score_sums, *unused):
+    def backward(ctx, grad_top_probs, grad_aux_loss, *unused):
         from megatron_ext.kernels.router_topk import router_topk_backward
 
-        if not ctx.with_score_sums:
-            grad_score_sums = None
-        if grad_top_probs is None and grad_score_sums is None:
+        if ctx.aux is None:
+            grad_aux_loss = None
+        if grad_top_probs is None and grad_aux_loss is None:
             return (None,) * 7
-        hidden, weight, logits, routing_map = ctx.saved_tensors
+        hidden, weight, logits, routing_map, tokens_per_expert = ctx.saved_tensors
+        # d aux / d P[e] = scale * tokens_per_expert[e] (the same products autograd would form)
+        grad_score_sums = None if grad_aux_loss is None else (grad_aux_loss * ctx.aux.scale) * tokens_per_expert
         grad_logits = router_topk_backward(logits, routing_map, grad_top_probs, grad_score_sums, ctx.topk,
                                            ctx.pre_softmax, ctx.scale)
         # As Megatron's RouterGatingLinearFunction.backward: GEMMs in the router dtype, then cast.
@@ -68,12 +91,13 @@ class _Routing(torch.autograd.Function):
 
 
 def fused_routing(hidden: torch.Tensor, weight: torch.Tensor, topk: int, logits_dtype: torch.dtype | None = None,
-                  pre_softmax: bool = False, scale: float = 1.0, with_score_sums: bool = False):
-    """Tokens [T, H] and router weight [E, H] -> (top_probs [T, K] fp32, score_sums [E] fp32 or an
-    empty tensor, Selection); top_probs and score_sums carry gradients to the tokens and the weight."""
-    top_probs, score_sums, routing_map, top_idx, counts, hist, nonfinite = _Routing.apply(
-        hidden, weight, logits_dtype or hidden.dtype, topk, pre_softmax, scale, with_score_sums)
-    return top_probs, score_sums, Selection(routing_map, counts, hist, nonfinite, top_idx=top_idx)
+                  pre_softmax: bool = False, scale: float = 1.0, aux: LoadBalancingLoss | None = None):
+    """Tokens [T, H] and router weight [E, H] -> (top_probs [T, K] fp32, the load-balancing loss
+    (a scalar; an empty tensor without `aux`), Selection); top_probs and the loss carry gradients
+    to the tokens and the weight."""
+    top_probs, aux_loss, routing_map, top_idx, counts, hist, nonfinite = _Routing.apply(
+        hidden, weight, logits_dtype or hidden.dtype, topk, pre_softmax, scale, aux)
+    return top_probs, aux_loss, Selection(routing_map, counts, hist, nonfinite, top_idx=top_idx)
 
 
 def unfused_reasons(router: TopKRouter) -> list[str]:
@@ -110,28 +134,20 @@ class FusedTopKRouter(TopKRouter):
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if self.unfused or padding_mask is not None or not input.is_cuda:
             return super().forward(input, padding_mask)
+        hidden = input.reshape(-1, input.shape[-1])
         logits_dtype = torch.float32 if self.config.moe_router_dtype == "fp32" else input.dtype
-        with_aux = self.training and torch.is_grad_enabled() and self.get_aux_loss_coeff("aux_loss") > 0
-        top_probs, score_sums, selection = fused_routing(
-            input.reshape(-1, input.shape[-1]), self.weight, self.topk, logits_dtype,
-            bool(self.config.moe_router_pre_softmax), float(self.config.moe_router_topk_scaling_factor or 1.0),
-            with_aux)
-        if with_aux:
-            top_probs = self._attach_load_balancing_loss(top_probs, score_sums, selection.counts)
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        with_aux = self.training and torch.is_grad_enabled() and coeff > 0
+        aux = self._load_balancing_loss(hidden.shape[0], coeff) if with_aux else None
+        top_probs, aux_loss, selection = fused_routing(
+            hidden, self.weight, self.topk, logits_dtype, bool(self.config.moe_router_pre_softmax),
+            float(self.config.moe_router_topk_scaling_factor or 1.0), aux)
+        if with_aux:  # logged and scaled as Megatron's router does
+            top_probs = self.attach_and_log_load_balancing_loss(top_probs, coeff, aux_loss, "load_balancing_loss",
+                                                                self.tp_cp_group, valid_token_count=hidden.shape[0])
         return top_probs, selection
 
-    def _attach_load_balancing_loss(self, top_probs, score_sums, counts):
-        """Megatron's switch load-balancing loss (moe_utils.switch_load_balancing_loss_func) from the
-        kernel's per-expert softmax sums, attached and logged by Megatron's own method."""
-        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
-        coeff = self.get_aux_loss_coeff("aux_loss")
-        num_tokens, group_size = top_probs.shape[0], self.tp_cp_group.size()
-        tokens_per_expert = counts
-        if group_size > 1:  # the all-reduce is in place; the route map needs this rank's own counts
-            tokens_per_expert = reduce_from_tensor_model_parallel_region(counts.clone(), self.tp_cp_group)
-        total = num_tokens * group_size
-        aux_loss = torch.sum(score_sums * tokens_per_expert) * (
-            self.config.num_moe_experts * coeff / (self.topk * total * total))
-        return self.attach_and_log_load_balancing_loss(top_probs, coeff, aux_loss, "load_balancing_loss",
-                                                       self.tp_cp_group, valid_token_count=num_tokens)
+    def _load_balancing_loss(self, num_tokens: int, coeff: float) -> LoadBalancingLoss:
+        """Megatron's _apply_aux_loss settings: counts summed over tp_cp, T_total = T * its size."""
+        total = num_tokens * self.tp_cp_group.size()
+        return LoadBalancingLoss(self.config.num_moe_experts * coeff / (self.topk * total * total), self.tp_cp_group)

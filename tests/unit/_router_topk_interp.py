@@ -33,12 +33,11 @@ def megatron_routing(hidden, weight, topk, pre_softmax, scale, coeff):
 
 
 def fused(hidden, weight, topk, pre_softmax, scale, coeff):
-    from megatron_ext.moe.fused_router import fused_routing
+    from megatron_ext.moe.fused_router import LoadBalancingLoss, fused_routing
 
     num_tokens, num_experts = hidden.shape[0], weight.shape[0]
-    top_probs, score_sums, selection = fused_routing(hidden, weight, topk, None, pre_softmax, scale or 1.0, True)
-    aux = torch.sum(score_sums * selection.counts) * (num_experts * coeff / (topk * num_tokens * num_tokens))
-    return top_probs, selection, aux
+    aux = LoadBalancingLoss(num_experts * coeff / (topk * num_tokens * num_tokens))
+    return fused_routing(hidden, weight, topk, None, pre_softmax, scale or 1.0, aux)
 
 
 def inputs(num_tokens, num_experts, dtype, gen):
@@ -64,7 +63,7 @@ def check_case(num_tokens, num_experts, topk, pre_softmax, scale, dtype, seed, n
     leaves_ref = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
     probs_ref, map_ref, aux_ref = megatron_routing(*leaves_ref, topk, pre_softmax, scale, coeff)
     leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    top_probs, selection, aux = fused(*leaves, topk, pre_softmax, scale, coeff)
+    top_probs, aux, selection = fused(*leaves, topk, pre_softmax, scale, coeff)
 
     finite = torch.ones(num_tokens, dtype=torch.bool)
     if nan_token is not None:  # which K experts an all-NaN row gets is arbitrary; K of them, counted
@@ -110,8 +109,8 @@ def check_without_aux() -> None:
                                                     score_function="softmax")
     (probs_ref * d_probs).sum().backward()
     got = hidden.clone().requires_grad_(True)
-    top_probs, score_sums, selection = fused_routing(got, weight, 3)
-    assert score_sums.numel() == 0
+    top_probs, aux_loss, selection = fused_routing(got, weight, 3)
+    assert aux_loss.numel() == 0
     (top_probs * d_probs.gather(1, selection.top_idx.long())).sum().backward()
     torch.testing.assert_close(got.grad, ref.grad, rtol=1e-5, atol=1e-7)
     print("ok without aux loss")
