@@ -13,6 +13,8 @@ that model, so hidden 4096 and expert ffn 1536 (SwiGLU), four sequences of 4096 
 Paths (same weights, same tokens and output gradients per rank, hence the same routes):
   megatron_alltoall     Megatron MoELayer, alltoall dispatcher, SequentialMLP (local spec)
   megatron_alltoall_gg  Megatron's alltoall dispatcher with DeviceOffsetGroupedMLP experts
+  megatron_flex_deepep_gg  Megatron's flex dispatcher with the DeepEP backend (its fast path today)
+                        and the same DeviceOffsetGroupedMLP experts; not available without deep_ep
   rowwise_torch         RowwiseMoELayer, reference all_to_all_single transport
   rowwise_symm          RowwiseMoELayer, symmetric-memory Triton PUT/GET transport
   rowwise_symm_mxfp8    rowwise_symm with MoEExtConfig(mxfp8_dispatch=True); reported as not
@@ -80,8 +82,8 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.ep_paths import (EP8_SHAPE, PATHS, TINY_SHAPE, Shape, build_layer, rank_inputs,
                                          routing_digest, unavailable_reason)
 from megatron_ext.bench.ep_phase_timing import Clock, time_layer, time_phases
-from megatron_ext.bench.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, mxfp8_vs_bf16, print_table,
-                                          same_routes, summarize)
+from megatron_ext.bench.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, layer_ratios, mxfp8_vs_bf16,
+                                          print_table, same_routes, summarize)
 from megatron_ext.bench.flops import moe_model_flops
 from megatron_ext.bench.measurement import make_step, peak_memory
 from megatron_ext.bench.repo_paths import RESULTS_DIR
@@ -253,7 +255,8 @@ def main(argv=None) -> int:
         payload = {"args": vars(args), "shape": asdict(shape), "tokens_per_rank": shape.tokens,
                    "world_size": ranks.world, "ep": ranks.world, "dtype": args.dtype,
                    "model_flops_per_rank_step": flops, "same_routes_all_paths": routes_equal,
-                   "dispatch_combine_ratios": ratios, "mxfp8_vs_bf16": mxfp8_vs_bf16(rows),
+                   "dispatch_combine_ratios": ratios, "layer_ratios": layer_ratios(rows),
+                   "mxfp8_vs_bf16": mxfp8_vs_bf16(rows),
                    "target_shorter_by": TARGET_SHORTER, "rows": rows}
     return finish_run(args, payload)
 

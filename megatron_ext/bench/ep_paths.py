@@ -1,5 +1,5 @@
-"""The paths the EP layer benchmark measures: the shape, each path's layer (Megatron's alltoall
-MoELayer or RowwiseMoELayer) with the seeded global model's weights, each rank's seeded tokens and
+"""The paths the EP layer benchmark measures: the shape, each path's layer (Megatron's alltoall or
+flex/DeepEP MoELayer, or RowwiseMoELayer) with the seeded global model's weights, each rank's seeded tokens and
 output gradient, and a digest of the routes a layer took.
 """
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from megatron_ext.bench.ep_distributed import Ranks
 
-PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_mxfp8",
-         "rowwise_symm_graph", "rowwise_symm_dropless", "rowwise_symm_bounded")
+PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "megatron_flex_deepep_gg", "rowwise_torch", "rowwise_symm",
+         "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless", "rowwise_symm_bounded")
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,12 @@ def unavailable_reason(path: str, device: torch.device) -> str | None:
     if device.type != "cuda" and "symm" in path:
         return ("not available on cpu: the symm transport moves rows with Triton kernels over GPU "
                 "symmetric memory (and graphs need CUDA)")
+    if path == "megatron_flex_deepep_gg":
+        from megatron.core.transformer.moe import fused_a2a
+
+        if not fused_a2a.HAVE_DEEP_EP:
+            return ("DeepEP is not installed: Megatron's flex dispatcher with the deepep backend imports "
+                    "deep_ep (Buffer, utils.EventOverlap); build it from source (BENCHMARKS.md, DeepEP)")
     return None
 
 
@@ -88,12 +94,14 @@ def build_layer(path: str, shape: Shape, args, device: torch.device, dtype):
     from megatron_ext.specs import moe_builder
     from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
 
+    # Megatron's fast path today: the flex dispatcher with the DeepEP backend
+    flex = dict(dispatcher="flex", moe_flex_dispatcher_backend="deepep") if path == "megatron_flex_deepep_gg" else {}
     config = moe_config(hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts, topk=shape.topk,
                         ep=dist.get_world_size(), dtype=dtype, use_cpu_initialization=device.type != "cuda",
-                        moe_router_dtype="fp32")
+                        moe_router_dtype="fp32", **flex)
     if path == "megatron_alltoall":
         layer = megatron_moe_layer(config)
-    elif path == "megatron_alltoall_gg":
+    elif path in ("megatron_alltoall_gg", "megatron_flex_deepep_gg"):
         layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
     else:
         ext = MoEExtConfig(transport="torch" if path == "rowwise_torch" else "symm",

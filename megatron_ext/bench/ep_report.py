@@ -45,16 +45,27 @@ def summarize(per_rank: list[dict], flops: int) -> dict:
     return row
 
 
+MEGATRON_PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "megatron_flex_deepep_gg")
+
+
 def dispatch_combine_ratios(rows: list[dict]) -> dict:
-    """rowwise_symm (and its MXFP8 variant) dispatch+combine over each Megatron alltoall path's."""
+    """rowwise_symm (and its MXFP8 variant) dispatch+combine over each Megatron path's."""
     timed = {r["path"]: r["dispatch_combine_ms"] for r in rows if r.get("dispatch_combine_ms")}
     ratios = {}
     for rowwise in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_torch"):
-        for megatron in ("megatron_alltoall", "megatron_alltoall_gg"):
+        for megatron in MEGATRON_PATHS:
             if rowwise in timed and megatron in timed:
                 ratio = timed[rowwise] / timed[megatron]
                 ratios[f"{rowwise}/{megatron}"] = {"ratio": ratio, "shorter_by": 1 - ratio}
     return ratios
+
+
+def layer_ratios(rows: list[dict]) -> dict:
+    """rowwise_symm's layer fwd+bwd time over each Megatron path's with the same grouped experts."""
+    timed = {r["path"]: r["layer_fwd_bwd_ms"] for r in rows if r.get("layer_fwd_bwd_ms")}
+    return {f"rowwise_symm/{megatron}": timed["rowwise_symm"] / timed[megatron]
+            for megatron in ("megatron_alltoall_gg", "megatron_flex_deepep_gg")
+            if "rowwise_symm" in timed and megatron in timed}
 
 
 def mxfp8_vs_bf16(rows: list[dict]) -> dict:
@@ -106,6 +117,8 @@ def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes
     for name, value in ratios.items():
         change = "shorter" if value["shorter_by"] >= 0 else "longer"
         print(f"dispatch+combine {name}: ratio {value['ratio']:.3f} ({100 * abs(value['shorter_by']):.1f}% {change})")
+    for name, value in layer_ratios(rows).items():
+        print(f"layer fwd+bwd {name}: {value:.3f}x")
     for name, value in mxfp8_vs_bf16(rows).items():
         print(f"rowwise_symm_mxfp8 / rowwise_symm {name}: {value:.3f}")
     target = ratios.get("rowwise_symm/megatron_alltoall")

@@ -156,3 +156,34 @@ def _errors_rank(rank, world):
 
 def test_deepep_transport_errors():
     run_on_ranks(_errors_rank, 2)
+
+
+def _megatron_flex_rank(rank, world):
+    """bench_ep's megatron_flex_deepep_gg path (Megatron's flex dispatcher, DeepEP backend, our
+    grouped experts) against megatron_alltoall_gg: same weights and tokens, same results."""
+    from types import SimpleNamespace
+
+    from megatron_ext.bench.ep_distributed import Ranks
+    from megatron_ext.bench.ep_paths import TINY_SHAPE, build_layer, load_seeded_weights, rank_inputs
+
+    fake_deep_ep.install_for_megatron()
+    fake_deep_ep.calls.clear()
+    args, ranks = SimpleNamespace(seed=3, capacity_factor=1.25, dropless=False), Ranks(rank, world, torch.device("cpu"))
+    x, grad_out = rank_inputs(ranks, TINY_SHAPE, args.seed, torch.float32)
+    results = {}
+    for path in ("megatron_alltoall_gg", "megatron_flex_deepep_gg"):
+        layer = build_layer(path, TINY_SHAPE, args, torch.device("cpu"), torch.float32)
+        load_seeded_weights(layer, TINY_SHAPE, args.seed)
+        x_in = x.clone().requires_grad_(True)
+        out, _ = layer(x_in)
+        out.backward(grad_out)
+        results[path] = [out.detach(), x_in.grad, layer.router.weight.grad, *expert_grads(layer)]
+    assert type(layer.token_dispatcher).__name__ == "MoEFlexTokenDispatcher"
+    for name, got, want in zip(NAMES, results["megatron_flex_deepep_gg"], results["megatron_alltoall_gg"]):
+        assert_close(got, want, 1e-5, f"rank {rank} flex/deepep vs alltoall {name}")
+    return sorted({c["op"] for c in fake_deep_ep.calls})
+
+
+def test_megatron_flex_deepep_bench_path_equals_alltoall_with_the_same_experts():
+    for ops in run_on_ranks(_megatron_flex_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert ops == ["Buffer", "combine", "dispatch", "get_dispatch_layout"], ops  # it went through DeepEP

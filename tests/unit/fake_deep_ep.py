@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,23 @@ NUM_MAX_TOPK, NUM_MAX_SCALES = 128, 128
 
 def install() -> None:
     sys.modules["deep_ep"] = sys.modules[__name__]
+    sys.modules["deep_ep.utils"] = utils
+
+
+def install_for_megatron() -> None:
+    """install(), then rebind megatron-core 0.19.2's DeepEP entry points, which its fused_a2a
+    module resolved (to None) when it was imported without deep_ep: reload fused_a2a and point
+    the flex dispatcher's module-level names at the reloaded functions."""
+    import importlib
+
+    from megatron.core.transformer.moe import fused_a2a, token_dispatcher
+
+    install()
+    fused_a2a = importlib.reload(fused_a2a)
+    assert fused_a2a.HAVE_DEEP_EP, "megatron's fused_a2a did not pick up the fake deep_ep"
+    for name in ("fused_dispatch", "fused_combine", "set_deepep_num_sms"):
+        assert hasattr(token_dispatcher, name), f"megatron-core moved token_dispatcher.{name}"
+        setattr(token_dispatcher, name, getattr(fused_a2a, name))
 
 
 class Config:
@@ -56,17 +74,28 @@ class Config:
         size = (self.num_sms // 2) * num_ranks * 5 * 4 + self._slots(num_ranks) * per_slot
         return -(-size // 128) * 128
 
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0  # intranode only
+
     def data_bytes(self, row_bytes: int, num_topk: int, num_ranks: int) -> int:
         """What one dispatch/combine needs from the NVL buffer (DeepEP's EP_HOST_ASSERT)."""
         return self._slots(num_ranks) * (row_bytes + 4 + num_topk * (8 + 4))
 
 
+class EventHandle:
+    """deep_ep.utils.EventHandle: an event recorded on the current stream (nothing to record here)."""
+
+
 class EventOverlap:
-    def __init__(self, event=None):
+    def __init__(self, event=None, extra_tensors=None):
         self.event = event
 
     def current_stream_wait(self) -> None:
         pass
+
+
+utils = types.ModuleType("deep_ep.utils")  # what megatron imports: from deep_ep.utils import EventHandle, EventOverlap
+utils.EventHandle, utils.EventOverlap = EventHandle, EventOverlap
 
 
 def _configs(table):
@@ -85,7 +114,7 @@ class Buffer:
         assert not low_latency_mode and num_rdma_bytes == 0, "the fake covers the intranode path only"
         assert num_nvl_bytes % 128 == 0, "num_nvl_bytes must be aligned to 128 bytes"
         self.group, self.rank, self.group_size = group, group.rank(), group.size()
-        self.num_nvl_bytes = num_nvl_bytes
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         dist.barrier(group=group)  # DeepEP exchanges IPC handles here: collective
         calls.append(dict(op="Buffer", num_nvl_bytes=num_nvl_bytes))
 

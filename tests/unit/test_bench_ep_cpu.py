@@ -48,14 +48,14 @@ def test_bench_ep_runs_on_two_cpu_ranks(tmp_path):
     for path in ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch"):
         assert any(line.startswith(path + " ") and "NOT AVAILABLE" not in line for line in out.splitlines()), out
     for path in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless",
-                 "rowwise_symm_bounded"):
+                 "rowwise_symm_bounded", "megatron_flex_deepep_gg"):  # no GPUs, no deep_ep here
         assert any(line.startswith(path) and "NOT AVAILABLE" in line for line in out.splitlines()), out
     assert "dispatch+combine rowwise_torch/megatron_alltoall: ratio" in out
     result = _result(tmp_path, "ep_layer")["result"]
     assert result["world_size"] == 2 and result["same_routes_all_paths"] is True
     rows = {r["path"]: r for r in result["rows"]}
-    assert set(rows) == {"megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm",
-                         "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless",
+    assert set(rows) == {"megatron_alltoall", "megatron_alltoall_gg", "megatron_flex_deepep_gg", "rowwise_torch",
+                         "rowwise_symm", "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless",
                          "rowwise_symm_bounded"}
     for path in ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch"):
         row = rows[path]
