@@ -16,12 +16,16 @@ and the dispatcher takes either. Installed by megatron_ext.specs for the rowwise
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.moe.fused_routes import Selection
+
+logger = logging.getLogger(__name__)
+_fallbacks_logged: set[str] = set()
 
 
 def _gate(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
@@ -133,6 +137,10 @@ class FusedTopKRouter(TopKRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.unfused = unfused_reasons(self)
+        line = "; ".join(self.unfused)
+        if line and line not in _fallbacks_logged:  # once per configuration, not per layer
+            _fallbacks_logged.add(line)
+            logger.warning("megatron_ext: the MoE routers run Megatron's own routing (not fused) for: %s", line)
 
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if self.unfused or padding_mask is not None or not input.is_cuda:

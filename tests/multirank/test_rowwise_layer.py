@@ -142,9 +142,18 @@ def _fused_router_rank(rank, world):
         torch.manual_seed(3)
         return cls(config=config, pg_collection=get_default_pg_collection())
 
+    import logging
+
     assert build(FusedTopKRouter).unfused == []
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("megatron_ext.moe.fused_router").addHandler(handler)
     sigmoid = build(FusedTopKRouter, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    build(FusedTopKRouter, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     assert sigmoid.unfused == ["moe_router_score_function='sigmoid'", "moe_router_enable_expert_bias"]
+    assert seen == ["megatron_ext: the MoE routers run Megatron's own routing (not fused) for: "
+                    "moe_router_score_function='sigmoid'; moe_router_enable_expert_bias"], seen  # once
     assert build(FusedTopKRouter, moe_z_loss_coeff=1e-3).unfused == ["moe_z_loss_coeff"]
     # CPU tensors (and unfused configurations) run Megatron's own routing: [T, E] outputs, equal
     fused, megatron = build(FusedTopKRouter), build(TopKRouter)
