@@ -165,3 +165,26 @@ def _fused_router_rank(rank, world):
 
 def test_fused_router_names_what_it_does_not_fuse_and_falls_back_on_cpu():
     run_on_ranks(_fused_router_rank, 1, sizes=ParallelSizes())
+
+
+def _host_phases_rank(rank, world):
+    """bench_moe_layer --host-phases on a CPU layer: every MoELayer phase is timed, the layer's
+    own methods are back afterwards, and the backward nodes of our autograd Functions are listed."""
+    from megatron_ext.bench.host_phases import FORWARD_PHASES, backward_nodes, forward_phase_ms
+    from megatron_ext.bench.measurement import make_step
+
+    config = moe_config(hidden=16, experts=4, topk=2)
+    layer = build_rowwise(config, dropless=True)
+    x, grad_out = rank_tokens(rank, 12, 16)
+    x, grad_out = x.view(12, 1, 16), grad_out.view(12, 1, 16)
+    phases = forward_phase_ms(layer, x, grad_out, iters=2)
+    assert set(phases) == {*FORWARD_PHASES, "forward", "backward"}, phases
+    assert all(ms > 0 for ms in phases.values()), phases
+    assert sum(phases[name] for name in FORWARD_PHASES) <= phases["forward"], phases  # parts of the forward
+    assert not set(FORWARD_PHASES) & set(vars(layer)), "the timing wrappers must be removed"
+    nodes = {row["node"] for row in backward_nodes(make_step(layer, x, grad_out), iters=2)}
+    assert {"_DispatchRowsBackward", "_CombineRowsBackward"} <= nodes, nodes
+
+
+def test_host_phase_tool_times_every_moe_layer_phase():
+    run_on_ranks(_host_phases_rank, 1, sizes=ParallelSizes())
