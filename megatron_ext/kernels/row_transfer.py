@@ -10,6 +10,8 @@ EP=1 and for tests). A route map gives, for each route (t, k) of this source ran
 - `get_rows`: out[t] = sum_k weights[t, k] * peer[dest_rank][dest_row], accumulated in fp32;
   optionally also keeps each fetched row in `gathered[t, k]`. Used by combine forward and
   dispatch backward.
+- `copy_rows_below`: the rows of a capacity buffer below a device count, into another buffer
+  (the symm transport's GET sources at EP > 1: only the rows that arrived, not all C).
 
 What this removes: no per-destination packing of send blocks, no host-side split lists
 (no device-to-host copy), no receiver-side permutation; a row is moved once, by the source,
@@ -125,6 +127,18 @@ if triton is not None:
                 if HAS_GATHERED:
                     tl.store(gathered_ptr + route * H + col, row.to(gathered_ptr.dtype.element_ty), mask=in_row)
             tl.store(out_ptr + token * H + col, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+    @triton.jit
+    def _copy_rows_below_kernel(src_ptr, dst_ptr, bound_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+        row = tl.program_id(0)
+        if row < tl.load(bound_ptr):  # rows at or past the device count: nothing to read or write
+            base = row.to(tl.int64) * H
+            cols = tl.arange(0, BLOCK_H)
+            for h0 in range(0, H, BLOCK_H):
+                col = h0 + cols
+                in_row = col < H
+                tl.store(dst_ptr + base + col, tl.load(src_ptr + base + col, mask=in_row), mask=in_row)
 
 
 _NO_ROW_BOUND = 2**31 - 1
@@ -265,3 +279,30 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
                            HAS_WEIGHTS=weights is not None, HAS_GATHERED=gathered is not None,
                            BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h, num_warps=num_warps)
     return out
+
+
+def copy_rows_below(src: torch.Tensor, dst: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """dst[r] = src[r] for the rows r < bound[0], a device int32 count (no host read); rows at or
+    past it stay as they are. Moves the rows a capacity buffer holds instead of all C. Returns dst."""
+    key = ("copy_rows_below", _layout(src), _layout(dst), _layout(bound))
+    if key not in _VALIDATED:
+        _require(triton is not None, "copy_rows_below: Triton is not installed", RuntimeError)
+        _require(src.dim() == 2 and src.shape == dst.shape and src.dtype == dst.dtype,
+                 f"copy_rows_below: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
+                 f"must be [C, H] of one shape and dtype")
+        _require(src.is_contiguous() and dst.is_contiguous(), "copy_rows_below: src and dst must be contiguous")
+        _require(bound.dtype == torch.int32 and bound.numel() >= 1,
+                 f"copy_rows_below: bound must be a device int32 count, got {bound.dtype} of {bound.numel()} "
+                 f"elements")
+        _require(src.device == dst.device == bound.device,
+                 f"copy_rows_below: src, dst and bound must share a device ({src.device}, {dst.device}, "
+                 f"{bound.device})")
+        _require(src.dtype in _BUFFER_DTYPES, f"copy_rows_below: dtype {src.dtype} not supported", TypeError)
+        _VALIDATED.add(key)
+    _check_runnable("copy_rows_below", src)
+    rows, H = src.shape
+    if rows == 0 or H == 0:
+        return dst
+    block_h, num_warps = _cached_launch_config(H, src.dtype)
+    _copy_rows_below_kernel[(rows,)](src, dst, bound, H, BLOCK_H=block_h, num_warps=num_warps)
+    return dst

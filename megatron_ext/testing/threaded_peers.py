@@ -112,7 +112,7 @@ def sleep_ms(ms: float) -> None:
 _KERNEL_LOCK = threading.Lock()
 
 
-def serialize_kernels(module, names=("put_rows", "get_rows", "put_rows_mxfp8")) -> None:
+def serialize_kernels(module, names=("put_rows", "get_rows", "put_rows_mxfp8", "copy_rows_below")) -> None:
     """Wrap `module`'s kernel entry points (e.g. moe.transport.symm) with one process-wide lock."""
     for name in names:
         fn = getattr(module, name, None)

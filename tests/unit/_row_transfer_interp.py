@@ -114,6 +114,18 @@ def check_case(M, dtype, T, K, H, C, block_h, scaled, seed, failures):
         failures.append(f"get {name} (no weights): differs from the reference")
 
 
+def check_copy_rows_below(dtype, C: int, H: int, bound: int, failures: list[str]) -> None:
+    """Rows below the device count are copied; the others keep what dst held."""
+    from megatron_ext.kernels.row_transfer import copy_rows_below
+
+    gen = torch.Generator().manual_seed(bound)
+    src = torch.randn(C, H, generator=gen).to(dtype)
+    dst = torch.full((C, H), float("nan"), dtype=dtype)
+    copy_rows_below(src, dst, torch.tensor([bound], dtype=torch.int32))
+    if not torch.equal(dst[:bound], src[:bound]) or not torch.isnan(dst[bound:]).all():
+        failures.append(f"copy_rows_below {dtype} bound={bound}: rows below not copied or rows past it written")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
@@ -128,6 +140,10 @@ def main() -> int:
                 check_case(M, dtype, T=7, K=3, H=H, C=12, block_h=block_h, scaled=scaled,
                            seed=cases, failures=failures)
                 cases += 1
+    for dtype in (torch.float32, torch.bfloat16):
+        for bound in (0, 5, 12):
+            check_copy_rows_below(dtype, C=12, H=40, bound=bound, failures=failures)
+            cases += 1
     for line in failures:
         print("MISMATCH", line)
     print(f"{cases} cases, {len(failures)} mismatches")

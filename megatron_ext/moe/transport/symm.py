@@ -4,8 +4,9 @@ Cost removed (vs the reference transport and Megatron's alltoall): no per-peer s
 no zero fill, no split sizes on the host, no receiver permutation; each kept row moves once,
 from the source token to its final row in the owner's buffer, and the grouped GEMM reads that
 buffer in place. Costs accepted: a device-side barrier over the EP group after every PUT phase
-and before every GET phase (none with one rank), and, with EP > 1, one [C, H] copy per GET phase into
-the shared symmetric scratch (torch._grouped_mm cannot write into a given buffer).
+and before every GET phase (none with one rank), and, with EP > 1, a copy per GET phase of the rows
+that arrived (not all C) into the shared symmetric scratch (torch._grouped_mm cannot write into a
+given buffer).
 
 Ordering (one stream per rank; docs/design.md, "Ordering"): a PUT phase writes peers' buffers,
 then barriers, so its readers see every row. A GET phase first copies its source into scratch,
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
-from megatron_ext.kernels.row_transfer import get_rows, put_rows
+from megatron_ext.kernels.row_transfer import copy_rows_below, get_rows, put_rows
 from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, SymmetricHeap, TorchSymmetricHeap, poison_then_fence
 from megatron_ext.formats.mxfp8 import packed_row_bytes
 from megatron_ext.moe.peer_failure import BarrierWatchdog
@@ -128,7 +129,7 @@ class SymmRowTransport:
         return lease.buffer.local.view(torch.uint8), lease
 
     def combine(self, expert_out: torch.Tensor, route: RouteMap, probs: torch.Tensor):
-        source = self._gather_source("combine_source", expert_out)
+        source = self._gather_source("combine_source", expert_out, route)
         num_tokens, topk = route.dest_row.shape
         out = torch.empty(num_tokens, expert_out.shape[1], dtype=expert_out.dtype, device=expert_out.device)
         gathered = torch.empty(num_tokens, topk, expert_out.shape[1], dtype=expert_out.dtype,
@@ -147,16 +148,19 @@ class SymmRowTransport:
         return target.local
 
     def dispatch_backward(self, grad_buffer: torch.Tensor, route: RouteMap) -> torch.Tensor:
-        source = self._gather_source("dispatch_grad", grad_buffer)
+        source = self._gather_source("dispatch_grad", grad_buffer, route)
         out = torch.empty(route.dest_row.shape[0], grad_buffer.shape[1], dtype=grad_buffer.dtype,
                           device=grad_buffer.device)
         return get_rows(source.peer_table, route.dest_rank, route.dest_row, out, capacity=self.capacity)
 
-    def _gather_source(self, role: str, rows: torch.Tensor):
-        """Copy this rank's rows into the role's symmetric scratch and fence the group.
+    def _gather_source(self, role: str, rows: torch.Tensor, route: RouteMap):
+        """Copy this rank's received rows into the role's symmetric scratch and fence the group.
 
-        With one rank nobody else reads them: point a one-entry table at `rows` instead (a
-        fill_ kernel with the address as its scalar: no copy, no host transfer, capturable).
+        Only the rows below route.recv_offsets[-1] are copied (a device count): peers' routes
+        point at no other row, so the tail, up to C - received rows, is never read. With debug
+        poison the tail holds NaN, so a read there would show. With one rank nobody else reads
+        them: point a one-entry table at `rows` instead (a fill_ kernel with the address as its
+        scalar: no copy, no host transfer, capturable).
         """
         if self.world == 1:
             table = self._local_tables.get(role)
@@ -165,7 +169,9 @@ class SymmRowTransport:
             table.fill_(rows.data_ptr())
             return SymmetricBuffer(rows, table)
         source = self._scratch(role, rows)
-        source.local.copy_(rows)  # every row rewritten: no poison needed
+        if self.poison:  # written in the same window as the copy: the previous readers passed a barrier
+            source.local.fill_(float("nan"))
+        copy_rows_below(rows, source.local, route.recv_offsets[-1:])
         self._fence(source, _PHASE_OF_ROLE[role])
         return source
 
