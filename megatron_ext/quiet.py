@@ -44,3 +44,15 @@ def quiet_known_warnings(announce: bool = True) -> None:
     if announce:
         print("megatron_ext: hiding known-harmless warnings (Transformer Engine/Apex/absl absent, CUDA_HOME notice, "
               "deprecation notices of Megatron and torch; list in megatron_ext/quiet.py)", file=sys.stderr)
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """logger.warning(message) the first time this logger gets this message in the process: a
+    configuration fallback is said once, not once per layer."""
+    key = (logger.name, message)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)

@@ -25,10 +25,10 @@ from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
 from megatron_ext.moe.layer import RowwiseMoELayer
+from megatron_ext.quiet import warn_once
 
 _default_ext_config: MoEExtConfig | None = None
 logger = logging.getLogger(__name__)
-_fallbacks_logged: set[str] = set()
 
 
 def set_default_ext_config(ext_config: MoEExtConfig) -> None:
@@ -90,9 +90,7 @@ def grouped_or_megatron_experts(num_local_experts, config, pg_collection=None, n
         return DeviceOffsetGroupedMLP(num_local_experts, config, pg_collection=pg_collection, name=name,
                                       debug_checks=debug_checks)
     line = "; ".join(reasons)
-    if line not in _fallbacks_logged:
-        _fallbacks_logged.add(line)
-        logger.warning("megatron_ext: MoE layers use Megatron's own experts, not the grouped experts: %s", line)
+    warn_once(logger, f"megatron_ext: MoE layers use Megatron's own experts, not the grouped experts: {line}")
     if isinstance(megatron_experts, ModuleSpec):
         from megatron.core.transformer.spec_utils import build_module
 

@@ -50,22 +50,32 @@ def _empty_slots(tokens, routes, T, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(map_ptr, probs_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr,
-                   T, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    block = tl.program_id(0)
-    tokens, experts, inside, offsets, routes, slot = _selection_tile(map_ptr, block, T, E, K, BLOCK_T, BLOCK_E)
-    probs = tl.load(probs_ptr + offsets, mask=routes, other=0.0).to(tl.float32)
+def _store_selection(top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr, block, tokens, experts,
+                     routes, slot, probs, E, K: tl.constexpr):
+    """The selection of one block of tokens, as `route` reads it: each route's expert id and fp32
+    probability at [t, slot], the block's expert histogram, its share of the per-expert counts and
+    of the non-finite probability count (the select kernel's and the fused router's outputs)."""
     out = tokens[:, None].to(tl.int64) * K + slot
     tl.store(top_idx_ptr + out, (experts[None, :] + tl.zeros_like(slot)).to(tl.int32), mask=routes)
     tl.store(top_probs_ptr + out, probs, mask=routes)
-    empty, empty_out = _empty_slots(tokens, routes, T, K, BLOCK_K)  # stay -1: invalid routes
-    tl.store(top_idx_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
-    tl.store(top_probs_ptr + empty_out, tl.zeros([BLOCK_T, BLOCK_K], tl.float32), mask=empty)
     block_counts = tl.sum(routes.to(tl.int32), axis=0)
     tl.store(hist_ptr + block * E + experts, block_counts, mask=experts < E)
     tl.atomic_add(counts_ptr + experts, block_counts, mask=experts < E)
     bad = routes & ((probs != probs) | (tl.abs(probs) == float("inf")))
     tl.atomic_add(nonfinite_ptr, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _select_kernel(map_ptr, probs_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr,
+                   T, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    block = tl.program_id(0)
+    tokens, experts, inside, offsets, routes, slot = _selection_tile(map_ptr, block, T, E, K, BLOCK_T, BLOCK_E)
+    probs = tl.load(probs_ptr + offsets, mask=routes, other=0.0).to(tl.float32)
+    _store_selection(top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr, block, tokens, experts,
+                     routes, slot, probs, E, K)
+    empty, empty_out = _empty_slots(tokens, routes, T, K, BLOCK_K)  # stay -1: invalid routes
+    tl.store(top_idx_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
+    tl.store(top_probs_ptr + empty_out, tl.zeros([BLOCK_T, BLOCK_K], tl.float32), mask=empty)
 
 
 @triton.jit
@@ -167,17 +177,22 @@ def select_routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
     fp32, counts [E] int32, block histograms [B, E] int32, non-finite count [] int32). Not differentiable;
     see megatron_ext.moe.fused_routes for the autograd wrapper."""
     num_tokens, num_experts = routing_map.shape
-    device = routing_map.device
-    blocks = triton.cdiv(num_tokens, BLOCK_TOKENS)
-    top_idx = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
-    top_probs = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
-    counts_and_nonfinite = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)  # one memset
-    hist = torch.empty(blocks, num_experts, dtype=torch.int32, device=device)
-    _select_kernel[(blocks,)](routing_map.contiguous(), probs.contiguous(), top_idx, top_probs,
-                              counts_and_nonfinite, hist, counts_and_nonfinite[num_experts:], num_tokens,
-                              num_experts, K=topk, BLOCK_K=triton.next_power_of_2(topk), BLOCK_T=BLOCK_TOKENS,
-                              BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    top_idx, top_probs, counts_and_nonfinite, hist = selection_outputs(num_tokens, num_experts, topk,
+                                                                       routing_map.device)
+    _select_kernel[(hist.shape[0],)](routing_map.contiguous(), probs.contiguous(), top_idx, top_probs,
+                                     counts_and_nonfinite, hist, counts_and_nonfinite[num_experts:], num_tokens,
+                                     num_experts, K=topk, BLOCK_K=triton.next_power_of_2(topk),
+                                     BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
     return top_idx, top_probs, counts_and_nonfinite[:num_experts], hist, counts_and_nonfinite[num_experts]
+
+
+def selection_outputs(num_tokens: int, num_experts: int, topk: int, device):
+    """The tensors _store_selection fills: top_idx [T, K] int32, top_probs [T, K] fp32, the counts
+    [E] with the non-finite count after them [E + 1] int32 (zeroed: one memset), hist [B, E] int32."""
+    return (torch.empty(num_tokens, topk, dtype=torch.int32, device=device),
+            torch.empty(num_tokens, topk, dtype=torch.float32, device=device),
+            torch.zeros(num_experts + 1, dtype=torch.int32, device=device),
+            torch.empty(triton.cdiv(num_tokens, BLOCK_TOKENS), num_experts, dtype=torch.int32, device=device))
 
 
 def select_backward(routing_map: torch.Tensor, grad_top_probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

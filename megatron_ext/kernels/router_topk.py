@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_ext.kernels.route_plan import BLOCK_TOKENS
+from megatron_ext.kernels.route_plan import BLOCK_TOKENS, _store_selection, selection_outputs
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -71,15 +71,9 @@ def _router_topk_kernel(logits_ptr, map_ptr, top_idx_ptr, top_probs_ptr, counts_
         probs = _softmax_rows(logits, taken)
     probs = (probs * scale).to(PROBS_DTYPE).to(tl.float32)  # Megatron's probs.type_as(logits)
     slot = tl.cumsum(taken.to(tl.int32), axis=1) - 1
-    out = tokens[:, None].to(tl.int64) * K + slot
     tl.store(map_ptr + offsets, taken.to(tl.int8), mask=inside)
-    tl.store(top_idx_ptr + out, (experts[None, :] + tl.zeros_like(slot)).to(tl.int32), mask=taken)
-    tl.store(top_probs_ptr + out, probs, mask=taken)
-    block_counts = tl.sum(taken.to(tl.int32), axis=0)
-    tl.store(hist_ptr + block * E + experts, block_counts, mask=experts < E)
-    tl.atomic_add(counts_ptr + experts, block_counts, mask=experts < E)
-    bad = taken & ((probs != probs) | (tl.abs(probs) == float("inf")))
-    tl.atomic_add(nonfinite_ptr, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+    _store_selection(top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr, block, tokens, experts,
+                     taken, slot, probs, E, K)
     if SCORE_SUMS:
         scores = _softmax_rows(logits, inside)
         tl.store(score_sums_ptr + block * E + experts, tl.sum(scores, axis=0), mask=experts < E)
@@ -115,12 +109,9 @@ def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scal
     megatron_ext.moe.fused_router for the autograd wrapper."""
     num_tokens, num_experts = logits.shape
     device = logits.device
-    blocks = triton.cdiv(num_tokens, BLOCK_TOKENS)
     routing_map = torch.empty(num_tokens, num_experts, dtype=torch.bool, device=device)
-    top_idx = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
-    top_probs = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
-    counts_and_nonfinite = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)  # one memset
-    hist = torch.empty(blocks, num_experts, dtype=torch.int32, device=device)
+    top_idx, top_probs, counts_and_nonfinite, hist = selection_outputs(num_tokens, num_experts, topk, device)
+    blocks = hist.shape[0]
     partial_sums = torch.empty(blocks if score_sums else 1, num_experts, dtype=torch.float32, device=device)
     block_e = triton.next_power_of_2(num_experts)
     _router_topk_kernel[(blocks,)](

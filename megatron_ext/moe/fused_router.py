@@ -23,9 +23,9 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.moe.fused_routes import Selection
+from megatron_ext.quiet import warn_once
 
 logger = logging.getLogger(__name__)
-_fallbacks_logged: set[str] = set()
 
 
 def _gate(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
@@ -137,10 +137,9 @@ class FusedTopKRouter(TopKRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.unfused = unfused_reasons(self)
-        line = "; ".join(self.unfused)
-        if line and line not in _fallbacks_logged:  # once per configuration, not per layer
-            _fallbacks_logged.add(line)
-            logger.warning("megatron_ext: the MoE routers run Megatron's own routing (not fused) for: %s", line)
+        if self.unfused:
+            warn_once(logger, "megatron_ext: the MoE routers run Megatron's own routing (not fused) for: "
+                      + "; ".join(self.unfused))
 
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if self.unfused or padding_mask is not None or not input.is_cuda:

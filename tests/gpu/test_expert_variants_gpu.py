@@ -28,7 +28,7 @@ from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
 from megatron_ext.testing.expert_variants import (ExpertParams, expert_param_grads, load_expert_params,  # noqa: E402
                                                   sequential_mlp, variant_config, variants)
 from megatron_ext.testing.expert_steps import expert_rows as _rows  # noqa: E402
-from megatron_ext.testing.expert_steps import experts_step  # noqa: E402
+from megatron_ext.testing.expert_steps import expert_counts, experts_step, replay_inputs  # noqa: E402
 from megatron_ext.testing.graphs import replay_with_new_inputs  # noqa: E402
 from megatron_ext.testing.reference import assert_close  # noqa: E402
 
@@ -57,13 +57,6 @@ def _modules(name, hidden, ffn, experts=8, seed=1, dtype=torch.bfloat16):
     load_expert_params(reference, params)
     load_expert_params(grouped, params)
     return reference, grouped
-
-
-def _counts(experts, rows, seed, empty=(2,)):
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.rand(experts, generator=gen) + 0.2
-    weights[list(empty)] = 0.0
-    return torch.bincount(torch.multinomial(weights, rows, replacement=True, generator=gen), minlength=experts)
 
 
 def _run(module, x, counts, probs, grad_out, valid=None):
@@ -110,7 +103,7 @@ def _parity(name, hidden, ffn, dtype=torch.bfloat16, rtol=BF16_RTOL):
     reference, grouped = _modules(name, hidden, ffn, experts, dtype=dtype)
     aligned = 16 // torch.empty((), dtype=dtype).element_size()
     assert grouped.fast_path == (name == "swiglu" and hidden % aligned == 0 and ffn % aligned == 0)
-    counts = _counts(experts, rows, seed=5)
+    counts = expert_counts(experts, rows, seed=5)
     x, probs, grad_out = _rows(rows, hidden, seed=6, dtype=dtype)
     want, want_grads = _run(reference, x, counts, probs, grad_out)  # host counts, as Megatron's dispatchers
     got, got_grads = _run(grouped, x, counts.to(DEVICE), probs, grad_out)  # device counts
@@ -141,7 +134,7 @@ def test_fp16_and_fp32_run_on_cuda():
 def _tail_poison(name, hidden, ffn):
     experts, valid, capacity = 6, 1500, 1875  # capacity factor 1.25
     _, grouped = _modules(name, hidden, ffn, experts, seed=3)
-    counts = _counts(experts, valid, seed=7, empty=(0, 4)).to(DEVICE)
+    counts = expert_counts(experts, valid, seed=7, empty=(0, 4)).to(DEVICE)
     x, probs, grad_out = _rows(capacity, hidden, seed=8)
     runs = []
     for tail in (float("nan"), 1e30):
@@ -202,11 +195,9 @@ def _graph_capture(name, hidden, ffn):
     experts, capacity = 8, 4096
     _, module = _modules(name, hidden, ffn, experts, seed=4)
     assert not module.fast_path
-    x, probs, grad_out = _rows(capacity, hidden, seed=9)
-    counts = _counts(experts, 3000, seed=10).to(DEVICE)
-    new_counts = _counts(experts, 3500, seed=11, empty=(5,)).to(DEVICE)
-    new_x, new_probs, new_grad = _rows(capacity, hidden, seed=12)
-    static_out = replay_with_new_inputs(module, (x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
+    (x, probs, grad_out, counts), second = replay_inputs(experts, hidden, capacity, DEVICE)
+    new_x, new_probs, new_grad, new_counts = second
+    static_out = replay_with_new_inputs(module, (x, probs, grad_out, counts), second)
     valid = 3500
     replayed = (static_out[:valid].clone(), x.grad[:valid].clone(), probs.grad[:valid].clone())
     replayed_grads = {k: p.grad.clone() for k, p in (("fc1", module.fc1_weight), ("fc2", module.fc2_weight),

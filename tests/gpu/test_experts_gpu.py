@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_ext.kernels.swiglu import _backward_torch, _forward_torch, swiglu_valid_prefix  # noqa: E402
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
 from megatron_ext.testing.expert_steps import expert_rows as _rows  # noqa: E402
-from megatron_ext.testing.expert_steps import experts_step  # noqa: E402
+from megatron_ext.testing.expert_steps import expert_counts, experts_step, replay_inputs  # noqa: E402
 from megatron_ext.testing.graphs import replay_with_new_inputs  # noqa: E402
 from megatron_ext.testing.megatron_moe import moe_config  # noqa: E402
 from megatron_ext.testing.reference import assert_close  # noqa: E402
@@ -81,15 +81,6 @@ def _sequential(experts, hidden, ffn, seed=1):
     return module
 
 
-def _random_counts(experts, rows, seed, empty=(2,)):
-    """Per-expert row counts summing to `rows`, uneven, with the experts in `empty` at zero."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.rand(experts, generator=gen) + 0.2
-    weights[list(empty)] = 0.0
-    expert_of_row = torch.multinomial(weights, rows, replacement=True, generator=gen)
-    return torch.bincount(expert_of_row, minlength=experts)
-
-
 def _run(module, x, counts, probs, grad_out):
     """Forward and backward on fresh leaves: (out, x grad, prob grad, fc1 grad, fc2 grad)."""
     out, x, probs = experts_step(module, x, counts, probs, grad_out)
@@ -107,7 +98,7 @@ NAMES = ("output", "input grad", "prob grad", "fc1 weight grad", "fc2 weight gra
 def test_bf16_parity_with_sequential_mlp():
     experts, hidden, ffn, tokens, topk = 8, 1024, 512, 2048, 2
     rows = tokens * topk
-    counts = _random_counts(experts, rows, seed=5)
+    counts = expert_counts(experts, rows, seed=5)
     x, probs, grad_out = _rows(rows, hidden, seed=6)
     want = _run(_sequential(experts, hidden, ffn), x, counts, probs, grad_out)  # host counts, as Megatron's
     got = _run(_grouped(experts, hidden, ffn), x, counts.to(DEVICE), probs, grad_out)  # device counts
@@ -123,7 +114,7 @@ def test_bf16_parity_with_sequential_mlp():
 def test_capacity_tail_poison_on_cuda():
     experts, hidden, ffn = 6, 512, 1408  # F > 1024: the SwiGLU kernels loop over column blocks
     module = _grouped(experts, hidden, ffn, seed=3)
-    counts = _random_counts(experts, 1500, seed=7, empty=(0, 4)).to(DEVICE)
+    counts = expert_counts(experts, 1500, seed=7, empty=(0, 4)).to(DEVICE)
     valid, capacity = 1500, 1875  # capacity factor 1.25
     x, probs, grad_out = _rows(capacity, hidden, seed=8)
 
@@ -181,12 +172,9 @@ def test_triton_swiglu_matches_torch_path_on_valid_prefix():
 def test_cuda_graph_capture_forward_backward_matches_eager():
     experts, hidden, ffn, capacity = 8, 1024, 512, 4096
     module = _grouped(experts, hidden, ffn, seed=4)
-    x, probs, grad_out = _rows(capacity, hidden, seed=9)
-    counts = _random_counts(experts, 3000, seed=10).to(DEVICE)
-    # New rows, probabilities, gradient and a different number of valid rows per expert.
-    new_counts = _random_counts(experts, 3500, seed=11, empty=(5,)).to(DEVICE)
-    new_x, new_probs, new_grad = _rows(capacity, hidden, seed=12)
-    static_out = replay_with_new_inputs(module, (x, probs, grad_out, counts), (new_x, new_probs, new_grad, new_counts))
+    (x, probs, grad_out, counts), second = replay_inputs(experts, hidden, capacity, DEVICE)
+    new_x, new_probs, new_grad, new_counts = second  # another number of valid rows per expert
+    static_out = replay_with_new_inputs(module, (x, probs, grad_out, counts), second)
     valid = 3500
     replayed = (static_out[:valid].clone(), x.grad[:valid].clone(), probs.grad[:valid].clone(),
                 module.fc1_weight.grad.clone(), module.fc2_weight.grad.clone())
