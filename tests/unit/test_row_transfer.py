@@ -126,3 +126,15 @@ def test_peer_table_rejects_mismatched_or_offset_buffers():
         peer_table_from_buffers([torch.zeros(40)[2:34].view(4, 8)])
     table = peer_table_from_buffers([torch.zeros(4, 8), torch.zeros(4, 8)])
     assert table.dtype == torch.int64 and table.shape == (2,)
+
+
+@pytest.mark.parametrize("dst_shape,bound,match", [
+    ((6, 8), torch.tensor([3], dtype=torch.int32), "must be \\[C, H\\] of one shape and dtype"),
+    ((5, 8), torch.tensor([3], dtype=torch.int64), "bound must be a device int32 count"),
+    ((5, 8), torch.zeros(0, dtype=torch.int32), "bound must be a device int32 count"),
+])
+def test_copy_rows_below_refuses_bad_arguments(dst_shape, bound, match):
+    from megatron_ext.kernels.row_transfer import copy_rows_below
+
+    with pytest.raises(ValueError, match=match):
+        copy_rows_below(torch.zeros(5, 8), torch.zeros(dst_shape), bound)
