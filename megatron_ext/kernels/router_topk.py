@@ -11,7 +11,8 @@ Forward, per block of BLOCK_TOKENS tokens, from the router logits [T, E]:
   aux       per-block sums of the full softmax over tokens, [B, E] (the load-balancing loss's
             P_i before the final sum; summed by torch so the order is fixed)
 Backward, one kernel: the logits' gradient from the top-k probs' gradient (softmax over the
-selected logits, or the full softmax when pre-softmax) plus the aux sums' gradient (full softmax).
+selected logits, or the full softmax when pre-softmax) plus the load-balancing loss's gradient
+(full softmax), in fp32 or split into bf16 hi and lo halves for the gating GEMMs.
 
 Cost removed: Megatron's routing (topk, softmax, two scatters into [T, E], the aux-loss softmax,
 topk and scatter, a sum) and the separate select kernel: about 20 launches and 10 autograd
@@ -80,9 +81,10 @@ def _router_topk_kernel(logits_ptr, map_ptr, top_idx_ptr, top_probs_ptr, counts_
 
 
 @triton.jit
-def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_sums_ptr, grad_logits_ptr, T, E, scale,
-                                 K: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_GRAD_TOP: tl.constexpr,
-                                 HAS_GRAD_SUMS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_aux_ptr, counts_ptr, grad_logits_ptr, T, E,
+                                 scale, aux_scale, K: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
+                                 HAS_GRAD_TOP: tl.constexpr, HAS_GRAD_AUX: tl.constexpr, SPLIT: tl.constexpr,
+                                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     tokens, experts, inside, offsets, logits = _load_logits(logits_ptr, tl.program_id(0), T, E, BLOCK_T, BLOCK_E)
     taken = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
     scores = _softmax_rows(logits, inside)
@@ -95,10 +97,18 @@ def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_sums_pt
         else:  # probs = softmax(selected logits)
             probs = _softmax_rows(logits, taken)
             grad += probs * (g - tl.sum(probs * g, axis=1)[:, None])
-    if HAS_GRAD_SUMS:  # score_sums[e] = sum over tokens of softmax(all logits)[t, e]
-        a = tl.load(grad_sums_ptr + experts, mask=experts < E, other=0.0)[None, :]
+    if HAS_GRAD_AUX:  # aux = scale * sum_e score_sums[e] * counts[e]; score_sums = sum over tokens of softmax
+        counts = tl.load(counts_ptr + experts, mask=experts < E, other=0).to(tl.float32)
+        a = ((tl.load(grad_aux_ptr) * aux_scale) * counts)[None, :]  # d aux / d score_sums, as torch forms it
         grad += scores * (a - tl.sum(scores * a, axis=1)[:, None])
-    tl.store(grad_logits_ptr + offsets, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
+    if SPLIT:  # [T, 2E] bf16: hi = bf16(grad) in columns [0, E), lo = bf16(grad - hi) in [E, 2E)
+        hi = grad.to(tl.bfloat16)
+        lo = (grad - hi.to(tl.float32)).to(tl.bfloat16)
+        row = tokens[:, None].to(tl.int64) * (2 * E) + experts[None, :]
+        tl.store(grad_logits_ptr + row, hi, mask=inside)
+        tl.store(grad_logits_ptr + row + E, lo, mask=inside)
+    else:
+        tl.store(grad_logits_ptr + offsets, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
 
 
 def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scale: float = 1.0,
@@ -125,18 +135,25 @@ def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scal
 
 
 def router_topk_backward(logits: torch.Tensor, routing_map: torch.Tensor, grad_top_probs: torch.Tensor | None,
-                         grad_score_sums: torch.Tensor | None, topk: int, pre_softmax: bool,
-                         scale: float) -> torch.Tensor:
-    """Gradient of router_topk's top_probs and score_sums -> [T, E] in the logits' dtype."""
+                         grad_aux: tuple[torch.Tensor, torch.Tensor, float] | None, topk: int, pre_softmax: bool,
+                         scale: float, split: bool = False) -> torch.Tensor:
+    """Gradient of router_topk's top_probs and of the load-balancing loss -> the logits' gradient.
+
+    grad_aux = (d loss / d aux [] fp32, counts [E], aux scale) for aux = aux_scale * sum(score_sums * counts).
+    Returns [T, E] in the logits' dtype, or with `split` [T, 2E] bf16 holding hi = bf16(g) and
+    lo = bf16(g - hi) side by side: g to ~16 mantissa bits for two bf16 GEMMs with fp32 accumulation."""
     num_tokens, num_experts = logits.shape
-    grad = torch.empty_like(logits)
+    if split:
+        grad = torch.empty(num_tokens, 2 * num_experts, dtype=torch.bfloat16, device=logits.device)
+    else:
+        grad = torch.empty_like(logits)
     block_e = triton.next_power_of_2(num_experts)
     dummy = logits  # never read: the HAS_* flag is off
+    grad_aux_loss, counts, aux_scale = grad_aux if grad_aux is not None else (dummy, dummy, 0.0)
     _router_topk_backward_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
         logits, routing_map.view(torch.int8),
-        grad_top_probs.contiguous() if grad_top_probs is not None else dummy,
-        grad_score_sums.contiguous() if grad_score_sums is not None else dummy, grad, num_tokens, num_experts,
-        float(scale), K=topk, PRE_SOFTMAX=pre_softmax,
-        HAS_GRAD_TOP=grad_top_probs is not None, HAS_GRAD_SUMS=grad_score_sums is not None,
+        grad_top_probs.contiguous() if grad_top_probs is not None else dummy, grad_aux_loss, counts, grad,
+        num_tokens, num_experts, float(scale), float(aux_scale), K=topk, PRE_SOFTMAX=pre_softmax,
+        HAS_GRAD_TOP=grad_top_probs is not None, HAS_GRAD_AUX=grad_aux is not None, SPLIT=split,
         BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, num_warps=4 if block_e <= 128 else 8)
     return grad

@@ -17,14 +17,15 @@ import sys
 import torch
 
 
-def megatron_routing(hidden, weight, topk, pre_softmax, scale, coeff):
-    """Megatron 0.19.2's gating GEMM, unfused softmax routing and switch load-balancing loss."""
+def megatron_routing(hidden, weight, topk, pre_softmax, scale, coeff, gate=None):
+    """Megatron 0.19.2's gating GEMM (router dtype = the tokens' unless `gate` is given), unfused
+    softmax routing and switch load-balancing loss."""
     from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
                                                          router_gating_linear, switch_load_balancing_loss_func,
                                                          topk_routing_with_score_function)
 
     num_tokens, num_experts = hidden.shape[0], weight.shape[0]
-    logits = router_gating_linear(hidden, weight, None, hidden.dtype)
+    logits = router_gating_linear(hidden, weight, None, hidden.dtype) if gate is None else gate(hidden, weight)
     probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=pre_softmax,
                                                           scaling_factor=scale, score_function="softmax")
     aux_map, aux_scores = compute_routing_scores_for_aux_loss(logits, topk, "softmax")
@@ -96,7 +97,8 @@ def check_case(num_tokens, num_experts, topk, pre_softmax, scale, dtype, seed, n
 
 
 def check_without_aux() -> None:
-    """No load-balancing loss: the gradient comes from the probs alone, and no score sums are made."""
+    """No load-balancing loss: the gradient comes from the probs alone, and no score sums are made;
+    [S, B, H] tokens give [S * B, K] probabilities and an [S, B, H] gradient."""
     from megatron.core.transformer.moe.moe_utils import router_gating_linear, topk_routing_with_score_function
 
     from megatron_ext.moe.fused_router import fused_routing
@@ -108,12 +110,43 @@ def check_without_aux() -> None:
     probs_ref, _ = topk_routing_with_score_function(router_gating_linear(ref, weight, None, torch.float32), 3,
                                                     score_function="softmax")
     (probs_ref * d_probs).sum().backward()
-    got = hidden.clone().requires_grad_(True)
+    got = hidden.clone().view(20, 2, 24).requires_grad_(True)  # Megatron's [S, B, H] tokens
     top_probs, aux_loss, selection = fused_routing(got, weight, 3)
-    assert aux_loss.numel() == 0
+    assert aux_loss.numel() == 0 and top_probs.shape == (40, 3)
     (top_probs * d_probs.gather(1, selection.top_idx.long())).sum().backward()
-    torch.testing.assert_close(got.grad, ref.grad, rtol=1e-5, atol=1e-7)
+    assert got.grad.shape == (20, 2, 24)
+    torch.testing.assert_close(got.grad.view(40, 24), ref.grad, rtol=1e-5, atol=1e-7)
     print("ok without aux loss")
+
+
+def check_split_gradients() -> None:
+    """bf16 tokens and weight with fp32 logits (Megatron's fp32 router under --bf16): the backward
+    GEMMs take the logits' gradient as bf16 hi + lo. The token and weight gradients equal
+    Megatron's (fp32 GEMMs, then a cast to bf16) to one bf16 rounding step."""
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, num_experts, topk, coeff = 96, 64, 8, 0.01
+    hidden = torch.randn(num_tokens, 48, generator=gen).bfloat16()
+    weight = (torch.randn(num_experts, 48, generator=gen) * 0.2).bfloat16()
+    d_probs = torch.randn(num_tokens, num_experts, generator=gen)
+    leaves_ref = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    probs_ref, _, aux_ref = megatron_routing(*leaves_ref, topk, False, None, coeff,
+                                             gate=lambda h, w: router_gating_linear(h, w, None, torch.float32))
+    leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    from megatron_ext.moe.fused_router import LoadBalancingLoss, fused_routing
+
+    aux = LoadBalancingLoss(num_experts * coeff / (topk * num_tokens * num_tokens))
+    top_probs, aux_loss, selection = fused_routing(*leaves, topk, torch.float32, aux=aux)
+    ids = selection.top_idx.long()
+    (probs_ref.float() * d_probs).sum().add(aux_ref).backward()
+    (top_probs * d_probs.gather(1, ids)).sum().add(aux_loss).backward()
+    for name, got, want in zip(("hidden", "weight"), leaves, leaves_ref):
+        assert got.grad.dtype == want.grad.dtype == torch.bfloat16, f"split: {name} gradient dtype"
+        scale = want.grad.float().abs().max()
+        torch.testing.assert_close(got.grad.float(), want.grad.float(), rtol=2 ** -7, atol=1e-4 * float(scale),
+                                   msg=lambda m: f"split: {name} gradient\n{m}")
+    print("ok split gating gradients")
 
 
 def check_ties() -> None:
@@ -146,6 +179,7 @@ def main() -> int:
         check_case(*case, seed=10 * seed)
     check_case(40, 8, 2, False, None, torch.float32, seed=99, nan_token=5)
     check_without_aux()
+    check_split_gradients()
     check_ties()
     print("all fused-router checks passed")
     return 0
