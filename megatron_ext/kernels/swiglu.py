@@ -94,35 +94,44 @@ def _backward_torch(grad, h, prob, valid_rows):
     return grad_h, grad_prob
 
 
+def swiglu_forward(h: torch.Tensor, valid_rows: torch.Tensor, prob: torch.Tensor | None) -> torch.Tensor:
+    """The activation of rows < valid_rows (0-d int32 on h's device); no autograd. CPU: torch, tail zero."""
+    if not h.is_cuda:
+        return _forward_torch(h, prob, valid_rows)
+    rows, two_f = h.shape
+    F = two_f // 2
+    out = torch.empty(rows, F, dtype=h.dtype, device=h.device)
+    block = _block_f(F)
+    _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](h, prob if prob is not None else h, out, valid_rows, F,
+                                                      HAS_PROB=prob is not None, BLOCK_F=block)
+    return out
+
+
+def swiglu_backward(grad: torch.Tensor, h: torch.Tensor, prob: torch.Tensor | None, valid_rows: torch.Tensor):
+    """(d h, d prob or None) for rows < valid_rows from the activation's gradient; no autograd.
+    Tail rows of d prob are zero (it is tiny and callers may reduce over it); of d h, unwritten."""
+    grad = grad.contiguous()
+    if not h.is_cuda:
+        return _backward_torch(grad, h, prob, valid_rows)
+    rows, two_f = h.shape
+    grad_h = torch.empty_like(h)
+    grad_prob = torch.zeros_like(prob) if prob is not None else None
+    _swiglu_bwd_kernel[(rows,)](grad, h, prob if prob is not None else h, grad_h,
+                                grad_prob if grad_prob is not None else h, valid_rows, two_f // 2,
+                                HAS_PROB=prob is not None, BLOCK_F=min(1024, _block_f(two_f // 2)))
+    return grad_h, grad_prob
+
+
 class _ValidPrefixSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, prob, valid_rows):
         ctx.save_for_backward(h, prob, valid_rows)
-        if not h.is_cuda:
-            return _forward_torch(h, prob, valid_rows)
-        rows, two_f = h.shape
-        F = two_f // 2
-        out = torch.empty(rows, F, dtype=h.dtype, device=h.device)
-        block = _block_f(F)
-        grid = (rows, triton.cdiv(F, block))
-        _swiglu_fwd_kernel[grid](h, prob if prob is not None else h, out, valid_rows, F,
-                                 HAS_PROB=prob is not None, BLOCK_F=block)
-        return out
+        return swiglu_forward(h, valid_rows, prob)
 
     @staticmethod
     def backward(ctx, grad):
         h, prob, valid_rows = ctx.saved_tensors
-        grad = grad.contiguous()
-        if not h.is_cuda:
-            grad_h, grad_prob = _backward_torch(grad, h, prob, valid_rows)
-            return grad_h, grad_prob, None
-        rows, two_f = h.shape
-        grad_h = torch.empty_like(h)
-        # Tail rows of grad_prob are defined (zero): it is tiny and callers may reduce over it.
-        grad_prob = torch.zeros_like(prob) if prob is not None else None
-        _swiglu_bwd_kernel[(rows,)](grad, h, prob if prob is not None else h, grad_h,
-                                    grad_prob if grad_prob is not None else h, valid_rows, two_f // 2,
-                                    HAS_PROB=prob is not None, BLOCK_F=min(1024, _block_f(two_f // 2)))
+        grad_h, grad_prob = swiglu_backward(grad, h, prob, valid_rows)
         return grad_h, grad_prob, None
 
 

@@ -32,6 +32,7 @@ import torch
 from megatron_ext.kernels.swiglu import swiglu_valid_prefix
 from megatron_ext.moe.expert_activation import ExpertActivation
 from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, sharded_state_dict
+from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
 from megatron_ext.moe.expert_padding import GemmPadding
 from megatron_ext.moe.expert_rows import row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, payload_fc1
@@ -159,10 +160,9 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                 probs = probs.reshape(-1).float()
         if not self.fast_path:
             return self._forward_any(hidden, offsets, probs, payload)
-        if payload is not None:
-            fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload)
-        else:
-            fc1_out = torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offsets)
+        if payload is None:  # one autograd node (moe/expert_mlp.py)
+            return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs)
+        fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload)
         act = swiglu_valid_prefix(fc1_out, offsets[-1], probs)
         return torch._grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offsets)
 

@@ -1,0 +1,60 @@
+"""The experts' fast path (SwiGLU, no biases, 16-byte aligned sizes) as one autograd node.
+
+fc1 -> SwiGLU -> fc2 on `torch._grouped_mm` with device int32 end offsets, forward and backward
+written out: the same five grouped GEMMs and two SwiGLU kernels that autograd would run for the
+three separate ops, in one node. Cost removed: four autograd nodes per layer step (two grouped-GEMM
+backward nodes, the SwiGLU node, two transpose views) and their host time; the fc2 weight
+gradient comes out in the parameter's own layout [L, H, F] instead of a transposed view, so
+Megatron's DDP adds it to main_grad without a strided pass. Cost accepted: the backward is this
+module's code rather than torch's formula (checked against torch's autograd in the tests).
+Saved for backward, as autograd would: the input rows, fc1's output and the activation, each
+released in backward right after its last use (peak memory as torch's own backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.kernels.swiglu import swiglu_backward, swiglu_forward
+
+
+class _SwiGLUGroupedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs):
+        valid_rows = offsets[-1]
+        fc1_out = torch._grouped_mm(hidden, fc1_weight.transpose(1, 2), offs=offsets)
+        act = swiglu_forward(fc1_out, valid_rows, probs)
+        ctx.save_for_backward(hidden, fc1_weight, fc2_weight, offsets, probs)
+        # The two intermediates live on ctx, not in saved_tensors, so backward can drop each as
+        # soon as its last reader has run: peak memory as in torch's own three-node backward.
+        ctx.intermediates = [fc1_out, act]
+        return torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
+        if ctx.intermediates is None:
+            raise RuntimeError("backward ran twice through the grouped experts (retain_graph=True); their "
+                               "intermediates are released by the first backward: run the forward again")
+        fc1_out, act = ctx.intermediates
+        ctx.intermediates = None
+        need_hidden, need_fc1, need_fc2, _, need_probs = ctx.needs_input_grad
+        grad_out = grad_out.contiguous()
+        grad_fc2 = torch._grouped_mm(grad_out.t(), act, offs=offsets) if need_fc2 else None
+        del act
+        if not (need_hidden or need_fc1 or need_probs):
+            return None, None, grad_fc2, None, None
+        grad_act = torch._grouped_mm(grad_out, fc2_weight, offs=offsets)
+        grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1])
+        del grad_act, fc1_out
+        grad_hidden = torch._grouped_mm(grad_fc1_out, fc1_weight, offs=offsets) if need_hidden else None
+        grad_fc1 = torch._grouped_mm(grad_fc1_out.t(), hidden, offs=offsets) if need_fc1 else None
+        return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None
+
+
+def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
+                       offsets: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """fc2(swiglu(fc1(hidden)) [* probs]) per expert on rows < offsets[-1]: hidden [rows, H], fc1
+    [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F], int32 end offsets [L], probs [rows] fp32.
+    Rows at or past offsets[-1] are never read; their outputs and gradients are not defined."""
+    return _SwiGLUGroupedMLP.apply(hidden.contiguous(), fc1_weight, fc2_weight, offsets, probs)

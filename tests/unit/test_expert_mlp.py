@@ -1,0 +1,92 @@
+"""The experts' fast path as one autograd node (moe/expert_mlp.py) against each expert's SwiGLU MLP
+computed from the definition in fp64: outputs, input, weight and probability gradients, with an
+empty expert, a capacity tail and gradients asked for only in part. CPU, fp32 (torch's
+per-group grouped GEMM); the GPU test compares the node with torch's autograd of the same ops."""
+
+import pytest
+import torch
+
+from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
+from megatron_ext.testing.expert_steps import expert_counts, expert_rows
+from megatron_ext.testing.reference import swiglu_expert
+
+EXPERTS, HIDDEN, FFN, CAPACITY, VALID = 4, 8, 12, 24, 19
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(3)
+    fc1 = torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=gen) * 0.3
+    fc2 = torch.randn(EXPERTS, HIDDEN, FFN, generator=gen) * 0.3
+    x, probs, grad_out = expert_rows(CAPACITY, HIDDEN, seed=4, dtype=torch.float32, device="cpu")
+    counts = expert_counts(EXPERTS, VALID, seed=5, empty=(1,))
+    return x, fc1, fc2, probs, grad_out, counts
+
+
+def _oracle(x, fc1, fc2, probs, counts):
+    """Per expert, in fp64, on the valid rows only."""
+    outs, start = [], 0
+    for expert, count in enumerate(counts.tolist()):
+        rows = slice(start, start + count)
+        act_scale = 1.0 if probs is None else probs[rows, None].double()
+        gate, up = (x[rows].double() @ fc1[expert].double().t()).chunk(2, dim=-1)
+        outs.append((torch.nn.functional.silu(gate) * up * act_scale) @ fc2[expert].double().t())
+        start += count
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_node_equals_the_definition(with_probs):
+    x, fc1, fc2, probs, grad_out, counts = _inputs()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    leaves = [t.clone().requires_grad_(True) for t in (x, fc1, fc2, probs)]
+    out = swiglu_grouped_mlp(*leaves[:3], offsets, leaves[3] if with_probs else None)
+    out.backward(grad_out)
+    refs = [t.clone().double().requires_grad_(True) for t in (x, fc1, fc2, probs)]
+    want = _oracle(*refs[:3], refs[3] if with_probs else None, counts)
+    want.backward(grad_out[:VALID].double())
+    torch.testing.assert_close(out[:VALID].double(), want, rtol=1e-5, atol=1e-6)
+    names = ["input", "fc1", "fc2", "probs"][:4 if with_probs else 3]
+    for name, got, ref in zip(names, leaves, refs):
+        grad = got.grad[:VALID] if name in ("input", "probs") else got.grad
+        torch.testing.assert_close(grad.double(), ref.grad[:VALID] if name in ("input", "probs") else ref.grad,
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} gradient\n{m}")
+    assert torch.equal(leaves[1].grad[1], torch.zeros_like(fc1[1])), "the empty expert's fc1 gradient"
+    assert leaves[2].grad.is_contiguous(), "fc2's gradient comes in the parameter's layout"
+    if with_probs:
+        assert torch.equal(leaves[3].grad[VALID:], torch.zeros(CAPACITY - VALID)), "tail probs get zero gradient"
+
+
+def test_only_the_weight_gradients_asked_for():
+    x, fc1, fc2, _, grad_out, counts = _inputs()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    fc1_leaf, fc2_leaf = fc1.clone().requires_grad_(True), fc2.clone().requires_grad_(True)
+    swiglu_grouped_mlp(x, fc1_leaf, fc2_leaf, offsets).backward(grad_out)
+    refs = [fc1.double().requires_grad_(True), fc2.double().requires_grad_(True)]
+    _oracle(x, *refs, None, counts).backward(grad_out[:VALID].double())
+    for got, ref in zip((fc1_leaf, fc2_leaf), refs):
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_fc1_still_passes_gradient_to_the_input():
+    x, fc1, fc2, _, grad_out, counts = _inputs()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    x_leaf = x.clone().requires_grad_(True)
+    swiglu_grouped_mlp(x_leaf, fc1, fc2, offsets).backward(grad_out)
+    x_ref = x.double().requires_grad_(True)
+    _oracle(x_ref, fc1, fc2, None, counts).backward(grad_out[:VALID].double())
+    torch.testing.assert_close(x_leaf.grad[:VALID].double(), x_ref.grad[:VALID], rtol=1e-5, atol=1e-6)
+
+
+def test_reference_helper_agrees_with_the_oracle():
+    """The oracle above and testing.reference.swiglu_expert are the same formula."""
+    x, fc1, fc2, _, _, _ = _inputs()
+    torch.testing.assert_close(_oracle(x[:5], fc1, fc2, None, torch.tensor([5, 0, 0, 0])).float(),
+                               swiglu_expert(x[:5], fc1[0], fc2[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_backward_says_what_to_do():
+    x, fc1, fc2, _, grad_out, counts = _inputs()
+    out = swiglu_grouped_mlp(x, fc1.requires_grad_(True), fc2, torch.cumsum(counts, 0, dtype=torch.int32))
+    out.backward(grad_out, retain_graph=True)
+    with pytest.raises(RuntimeError, match="run the forward again"):
+        out.backward(grad_out)
