@@ -35,7 +35,9 @@ def route_dot(gathered: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     if not gathered.is_cuda or not power_of_two_k:
         return torch.einsum("tkh,th->tk", gathered.float(), grad_out.float())
     out = torch.empty(num_tokens, topk, dtype=torch.float32, device=gathered.device)
-    block_h = min(triton.next_power_of_2(hidden), max(64, 4096 // topk))
+    # 8192 (route, column) pairs per step on 2 warps: the fastest of 2-8 warps x 256-2048 columns at
+    # T=8192, K=8, H=2048 on an H200 (80 us against 100 us for 512 columns on 4 warps).
+    block_h = min(triton.next_power_of_2(hidden), max(64, 8192 // topk))
     _route_dot_kernel[(num_tokens,)](gathered.contiguous(), grad_out.contiguous(), out, hidden, K=topk,
-                                     BLOCK_H=block_h, num_warps=4)
+                                     BLOCK_H=block_h, num_warps=2)
     return out
