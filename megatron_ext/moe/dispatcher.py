@@ -73,9 +73,10 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
             self.transport = make_transport(self.ext_config, self.ep_group, capacity, device)
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Tokens keep their [S, B, H] shape (the dispatch node flattens them, no view node)."""
         self.hidden_shape = tokens.shape
-        hidden = tokens.reshape(-1, tokens.shape[-1])
-        self._ensure_transport(hidden.shape[0], hidden.device)
+        hidden = tokens
+        self._ensure_transport(tokens.numel() // tokens.shape[-1], tokens.device)
         if isinstance(routing_map, fused_routes.Selection):  # FusedTopKRouter selected already
             self.top_idx, top_probs, self.selection = routing_map.top_idx, probs, routing_map
         elif self.ext_config.fused_route_map and hidden.is_cuda:
@@ -84,7 +85,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
             self.top_idx, self.selection = routing_map_to_topk(routing_map, self.topk), None
             top_probs = probs.gather(1, self.top_idx).float()
         if self.config.moe_apply_probs_on_input:  # top-1 (rules.moe_problems): the experts see p * x, as
-            hidden = (top_probs * hidden).to(hidden.dtype)  # in Megatron's experts; combine then weights by 1
+            hidden = hidden.reshape(-1, hidden.shape[-1])  # in Megatron's experts; combine then weights by 1
+            hidden = (top_probs * hidden).to(hidden.dtype)
             top_probs = torch.ones_like(top_probs)
         return hidden, top_probs
 
@@ -101,10 +103,11 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         if self.ext_config.debug_checks:  # host reads: debug only
             check_route_map(self.route_map, self.top_idx, self.num_experts, self.capacity, self.ep_size)
         if self.ext_config.mxfp8_dispatch:
-            buffer, self.payload, self.lease = dispatch_rows_mxfp8(hidden, self.transport, self.route_map)
+            buffer, self.payload, self.lease = dispatch_rows_mxfp8(hidden.reshape(-1, hidden.shape[-1]),
+                                                                   self.transport, self.route_map)
         else:
             (buffer, self.lease), self.payload = dispatch_rows(hidden, self.transport, self.route_map), None
-        self.row_bytes = dispatch_row_bytes(hidden.shape[1], hidden.dtype, self.ext_config.mxfp8_dispatch)
+        self.row_bytes = dispatch_row_bytes(hidden.shape[-1], hidden.dtype, self.ext_config.mxfp8_dispatch)
         self.routes_per_step = self.top_idx.numel()
         return buffer, probs
 
@@ -121,7 +124,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         return hidden
 
     def token_combine(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = combine_rows(hidden, self.probs, self.transport, self.route_map)
+        out = combine_rows(hidden, self.probs, self.transport, self.route_map, self.hidden_shape)
         self.probs = None
         if not torch.is_grad_enabled():
             self.transport.release(self.lease)  # no backward will read the dispatch buffer
@@ -129,7 +132,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         return out
 
     def combine_postprocess(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.view(self.hidden_shape)
+        return hidden  # already [S, B, H] (combine_rows)
 
     def kept_route_mask(self) -> torch.Tensor:
         """[T, E] bool: which (token, expert) routes of the last forward were kept."""
