@@ -24,6 +24,7 @@ drops them early where a caller wants their memory back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -62,6 +63,35 @@ def ep_group_of(layer):
     dispatcher = getattr(layer, "token_dispatcher", None)
     group = getattr(dispatcher, "ep_group", None)
     return group if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 else None
+
+
+@contextlib.contextmanager
+def metrics_untouched(layer):
+    """Run steps whose metrics must not count: Megatron's MoE metrics tracker (the logged
+    load-balancing loss, per layer) and the layer's own routing metrics are as before afterwards.
+    Entries first created inside stay (so a later capture records into tensors that already
+    exist) but hold zero. Megatron internals: MoEMetricsTracker.metrics[name].values
+    (transformer/moe/moe_logging.py, megatron-core 0.19.2); tests/unit/test_graph_runner_metrics.py
+    fails if they move."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    saved = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
+    own = getattr(layer, "_metrics", None)
+    saved_own = None if own is None else own.clone()
+    try:
+        yield
+    finally:
+        for name, entry in tracker.metrics.items():
+            if name in saved:
+                entry.values.copy_(saved[name])
+            else:
+                entry.values.zero_()
+        own = getattr(layer, "_metrics", None)
+        if own is not None and saved_own is not None:
+            own.copy_(saved_own)
+        elif own is not None:
+            own.zero_()
 
 
 class _Slot:
@@ -239,15 +269,17 @@ class GraphedMoELayer:
                                      for slot in slots for grad in slot.grads[1:] if grad is not None}
 
     def _warm_up(self, sample: torch.Tensor) -> None:
-        """Eager steps on a side stream: allocations, compilation and lazy buffers happen here."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup_iters):
-                x = sample.detach().clone().requires_grad_(True)
-                out, _ = self.forward_fn(x)
-                torch.autograd.grad(out, (x, *self.params), torch.ones_like(out), allow_unused=True)
-        torch.cuda.current_stream().wait_stream(stream)
+        """Eager steps on a side stream: allocations, compilation and lazy buffers happen here.
+        They are not training steps, so what they add to the logged metrics is taken back."""
+        with metrics_untouched(self.layer):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(self.warmup_iters):
+                    x = sample.detach().clone().requires_grad_(True)
+                    out, _ = self.forward_fn(x)
+                    torch.autograd.grad(out, (x, *self.params), torch.ones_like(out), allow_unused=True)
+            torch.cuda.current_stream().wait_stream(stream)
 
     def reset(self) -> None:
         """Drop the graphs (and their memory pool); the next training forward captures again."""

@@ -1,0 +1,39 @@
+"""The graph runner's warm-up steps do not count in the logged metrics (cuda_graphs/runner.py,
+metrics_untouched): Megatron's MoE metrics tracker (the load-balancing loss it logs per layer)
+and the layer's routing metrics read as before the warm-up. Uses Megatron's own tracker, so a
+change of its internals fails here."""
+
+import torch
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+from megatron_ext.cuda_graphs.runner import metrics_untouched
+
+
+class _Layer:
+    _metrics = None
+
+
+def test_warm_up_records_are_taken_back():
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    tracker.record("load_balancing_loss", torch.tensor(1.5), layer_number=2, num_layers=3)
+    layer = _Layer()
+    layer._metrics = torch.tensor([4, 5], dtype=torch.int64)
+    with metrics_untouched(layer):
+        for _ in range(2):  # two eager warm-up steps, as the runner takes
+            tracker.record("load_balancing_loss", torch.tensor(1.0), layer_number=2, num_layers=3)
+            tracker.record("z_loss", torch.tensor(3.0), layer_number=1, num_layers=3)
+            layer._metrics += 7
+    assert torch.equal(tracker.metrics["load_balancing_loss"].values, torch.tensor([0.0, 1.5, 0.0]))
+    assert torch.equal(tracker.metrics["z_loss"].values, torch.zeros(3)), "an entry the warm-up created holds zero"
+    assert torch.equal(layer._metrics, torch.tensor([4, 5]))
+    tracker.record("load_balancing_loss", torch.tensor(2.0), layer_number=2, num_layers=3)  # training goes on
+    assert torch.equal(tracker.metrics["load_balancing_loss"].values, torch.tensor([0.0, 3.5, 0.0]))
+    tracker.clear()
+
+
+def test_layer_metrics_first_made_by_the_warm_up_start_at_zero():
+    layer = _Layer()
+    with metrics_untouched(layer):
+        layer._metrics = torch.tensor([3, 9], dtype=torch.int64)
+    assert torch.equal(layer._metrics, torch.zeros(2, dtype=torch.int64))
