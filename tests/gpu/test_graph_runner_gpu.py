@@ -209,3 +209,55 @@ def test_replay_under_megatron_ddp_matches_eager_without_copying_grads(weights):
     for p_graph, p_eager in zip(graphed_ddp.module.parameters(), eager_ddp.module.parameters()):
         assert p_graph.grad is None
         torch.testing.assert_close(p_graph.main_grad, p_eager.main_grad, rtol=2e-2, atol=2e-2)
+
+
+def test_training_shape_stack_with_aux_loss_under_ddp_matches_eager():
+    """The single-GPU functional case's MoE shape (hidden 1024, FFN 2048, 8 experts, top-2, 4096
+    tokens as [1024, 4, H], load-balancing loss 1e-2 scaled by 1 / microbatches as Megatron's
+    schedule sets it) in two stacked layers, each graphed with its own pool, under Megatron's DDP
+    with 8 accumulated microbatches: every main_grad finite and equal to eager's. (Written after
+    the functional case reported a NaN grad norm with --moe-ext-cuda-graphs; see README.)"""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    shape = dict(hidden=1024, ffn=2048, experts=8, topk=2)
+    stack_weights = [MoEWeights.random(8, 1024, 2048, seed=20 + i, dtype=torch.bfloat16) for i in range(2)]
+
+    def stack(graphs):
+        layers = []
+        for number, w in enumerate(stack_weights, start=1):
+            config = moe_config(**shape, dtype=torch.bfloat16, use_cpu_initialization=False,
+                                moe_router_dtype="fp32", moe_router_load_balancing_type="aux_loss",
+                                moe_aux_loss_coeff=1e-2, num_layers=2)
+            layer = moe_builder(MoEExtConfig(transport="symm", cuda_graphs=graphs))(config=config).cuda()
+            layer.set_layer_number(number)
+            load_weights(layer, w)
+            layers.append(megatron_ddp(layer))
+        return layers
+
+    def train(layers, batches):
+        for ddp in layers:
+            ddp.zero_grad_buffer()
+        for x, g in batches:
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / len(batches), device="cuda"))
+            h = x.clone().requires_grad_(True)
+            out = h
+            for ddp in layers:
+                out = out + ddp(out)[0]
+            out.backward(g)
+        for ddp in layers:
+            ddp.finish_grad_sync()
+        return [p.main_grad.clone() for ddp in layers for p in ddp.module.parameters()]
+
+    batches = []
+    for i in range(8):
+        gen = torch.Generator(device="cuda").manual_seed(300 + i)
+        x = torch.randn(1024, 4, 1024, device="cuda", generator=gen).bfloat16()
+        batches.append((x, torch.randn(x.shape, device="cuda", generator=gen).bfloat16()))
+    eager, graphed = stack(False), stack(True)
+    for step in range(2):  # a second step replays the captured graphs only
+        want, got = train(eager, batches), train(graphed, batches)
+        for ddp in graphed:
+            assert ddp.module._graph_runner.eager_reason is None, ddp.module._graph_runner.eager_reason
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert torch.isfinite(g).all(), f"step {step}: graphed main_grad {index} is not finite"
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2, msg=lambda m: f"step {step}, main_grad {index}\n{m}")
