@@ -7,8 +7,9 @@ load-balancing loss form one autograd node (`_Routing`), and instead of Megatron
 probabilities and routing map it hands the rowwise dispatcher the top-k probabilities [T, K] and
 a fused_routes.Selection (ids, counts, histograms), so the dispatcher's select kernel is skipped.
 Cost removed: ~30 launches and ~15 autograd nodes per layer step (1.3-1.8 ms of host time and
-~0.3 ms of device time at the reference shape, BENCHMARKS.md). Cost accepted: results equal
-Megatron's to fp32 rounding, not bitwise. Configurations it does
+~0.5 ms of device time at the reference shape, BENCHMARKS.md). Cost accepted: results equal
+Megatron's to fp32 rounding, not bitwise (the backward's gating GEMMs with bf16 tokens: to one
+bf16 rounding, _split_gating_grads). Configurations it does
 not fuse (`unfused_reasons`), padded batches and CPU tensors run TopKRouter.forward unchanged,
 and the dispatcher takes either. Installed by megatron_ext.specs for the rowwise dispatcher
 (`MoEExtConfig.fused_router`). Written against megatron-core 0.19.2 (transformer/moe/router.py).
