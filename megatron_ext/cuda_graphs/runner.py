@@ -12,8 +12,11 @@ Slots and leases agree by construction: graph slot i's forward is captured while
 0..i-1 still hold their dispatch-buffer leases, so it bakes in pool slot i; the layer's
 `lease_slots` must therefore be >= the number of graph slots. A replay holds pool slot i from
 its forward to its backward, so eager forwards between steps (evaluation) find the slots free.
-All slots capture into one memory pool, forwards first (in slot order) then backwards, as a
-pipeline warm-up would.
+Forwards are captured first (in slot order), then backwards. Each slot has its own memory pool:
+a pipeline schedule replays one slot's backward while other slots are live (1F1B: B0 after F1),
+so memory a shared pool would hand from one slot's freed activations to another slot's backward
+temporaries could still be in use. Cost accepted: backward temporaries are not shared between
+slots (one set per live microbatch).
 
 If capture is impossible or fails (on any rank of the EP group) the runner logs why and the
 layer stays eager; a failed capture leaves the process usable (cuda_graphs/capture.py).
@@ -136,8 +139,7 @@ def hand_over(param, static_grad):
     buffer goes as a detached alias, which AccumulateGrad takes without a copy: the copy it makes
     of a tensor someone else holds cost ~0.4 ms per step at the reference shape (the expert
     weights' gradients), enough to make graphs slower than eager. Elsewhere autograd keeps
-    copying: an alias kept past the next replay of this layer's graphs would be overwritten
-    (the slots share one memory pool). `_unalias_param_grads` guards the first case too.
+    copying: an alias kept past the next replay of the slot's graphs would be overwritten. `_unalias_param_grads` guards the first case too.
     """
     if static_grad is None:
         return None
@@ -243,20 +245,20 @@ class GraphedMoELayer:
         return getattr(getattr(getattr(self.layer, "token_dispatcher", None), "transport", None), "pool", None)
 
     def _capture(self, sample: torch.Tensor) -> None:
-        pool_handle = torch.cuda.graph_pool_handle()
         leases = self._lease_pool()
         free_before = None if leases is None else leases.live
         if free_before:
             raise CaptureFailed(f"{free_before} dispatch-buffer slot(s) hold live microbatches at capture time; "
                                 f"capture needs the layer idle")
         slots = [_Slot(sample.detach().clone().requires_grad_(True)) for _ in range(self.num_slots)]
+        pools = [torch.cuda.graph_pool_handle() for _ in slots]  # one per slot (module docstring)
         try:
-            for slot in slots:  # forwards first: each keeps its lease, as in a pipeline warm-up
-                slot.output, _ = capture(slot.forward_graph, lambda s=slot: self.forward_fn(s.input), pool_handle)
+            for slot, pool in zip(slots, pools):  # forwards first: each keeps its lease, as in a pipeline warm-up
+                slot.output, _ = capture(slot.forward_graph, lambda s=slot: self.forward_fn(s.input), pool)
                 slot.grad_output = torch.empty_like(slot.output)
-            for slot in reversed(slots):
+            for slot, pool in zip(reversed(slots), reversed(pools)):
                 slot.grads = capture(slot.backward_graph, lambda s=slot: torch.autograd.grad(
-                    s.output, (s.input, *self.params), s.grad_output, allow_unused=True), pool_handle)
+                    s.output, (s.input, *self.params), s.grad_output, allow_unused=True), pool)
         except CaptureFailed:
             for slot in slots:
                 slot.forward_graph.reset()
