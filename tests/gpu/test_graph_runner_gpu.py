@@ -245,6 +245,7 @@ def test_training_shape_stack_with_aux_loss_under_ddp_matches_eager():
     the functional case reported a NaN grad norm with --moe-ext-cuda-graphs; see README.)"""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # Megatron's training sets a [1] tensor, as below
     shape = dict(hidden=1024, ffn=2048, experts=8, topk=2)
     stack_weights = [MoEWeights.random(8, 1024, 2048, seed=20 + i, dtype=torch.bfloat16) for i in range(2)]
 
