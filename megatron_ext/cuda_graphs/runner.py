@@ -139,7 +139,8 @@ def hand_over(param, static_grad):
     buffer goes as a detached alias, which AccumulateGrad takes without a copy: the copy it makes
     of a tensor someone else holds cost ~0.4 ms per step at the reference shape (the expert
     weights' gradients), enough to make graphs slower than eager. Elsewhere autograd keeps
-    copying: an alias kept past the next replay of the slot's graphs would be overwritten. `_unalias_param_grads` guards the first case too.
+    copying: an alias kept past the next replay of the slot's graphs would be overwritten.
+    `_unalias_param_grads` guards the first case too.
     """
     if static_grad is None:
         return None
