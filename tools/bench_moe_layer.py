@@ -12,6 +12,9 @@ Paths (same router weights, expert weights, tokens and output gradients):
 Reported per path: median fwd+bwd ms (CUDA events, after warm-up), model TFLOP/s (useful
 tokens only), peak memory above baseline, blocking CUDA calls per step (profiler), host
 submission ms per layer step, and the measured dense bf16 GEMM rate for the same FLOPs.
+Host submission drifts with the lent host; `--host-ab rowwise_symm,rowwise_symm_megatron_router
+--host-rounds 5` also times the named paths in turns, all alive at once, and reports each one's
+ratio to the first path (the figure to compare host changes by).
 
     python tools/bench_moe_layer.py [--tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
 """
@@ -129,6 +132,25 @@ def measure(path, args, weights, x, grad_out, flops):
     return result
 
 
+def host_ab_ms(args, weights, x, grad_out) -> dict:
+    """Host submission of the --host-ab paths, measured in turns (measurement.interleaved_host_ms)."""
+    from megatron_ext.bench.measurement import interleaved_host_ms
+
+    layers = {path: build(path, args, weights) for path in args.host_ab.split(",")}
+    steps = {path: make_step(layer, x, grad_out) for path, layer in layers.items()}
+    for step in steps.values():
+        step()
+    result = interleaved_host_ms(steps, rounds=args.host_rounds, iters=args.iters)
+    first = next(iter(steps))
+    for path, figures in result.items():
+        spread = f"{figures['min_ms']:.3f}..{figures['max_ms']:.3f}"
+        print(f"  host A/B: {path:30s} {figures['median_ms']:7.3f} ms ({spread})"
+              f"  x{figures['ratio_to_' + first]:.3f} of {first}", flush=True)
+    del steps, layers
+    torch.cuda.empty_cache()
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -148,6 +170,10 @@ def main():
     parser.add_argument("--profile-top", type=int, default=12, help="kernels and host functions listed per profile")
     parser.add_argument("--host-phases", default="",
                         help="comma-separated paths: host ms per forward phase and the costliest backward nodes")
+    parser.add_argument("--host-ab", default="",
+                        help="comma-separated paths whose host submission is also measured in turns, all "
+                             "layers alive, over --host-rounds rounds (ratios to the first path per round)")
+    parser.add_argument("--host-rounds", type=int, default=5)
     args = parser.parse_args()
     require_cuda("tools/bench_moe_layer.py")
     init_single_rank_megatron()
@@ -182,6 +208,7 @@ def main():
         print({k: v for k, v in rows[-1].items()
                if k not in ("kernels", "host_hotspots", "host_cumulative", "host_phases_ms", "backward_nodes")},
               flush=True)
+    host_ab = host_ab_ms(args, weights, x, grad_out) if args.host_ab else None
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
           f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")
@@ -198,7 +225,7 @@ def main():
         print(f"{r['path']:22s} {r['fwd_bwd_ms']:10.2f} {r['tflops']:8.0f} {r['pct_dense_gemm']:6.0f}% {speed:>8s} "
               f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f}")
     path = write_result(args.name, {"args": vars(args), "dense_gemm_tflops": dense, "host_unit_costs_us": unit_costs,
-                                         "rows": rows})
+                                         "rows": rows, "host_ab": host_ab})
     print(f"wrote {path}")
 
 

@@ -82,3 +82,34 @@ def test_repo_paths_resolve_to_this_checkout():
     assert repo_paths.RESULTS_DIR == REPO / "bench" / "results"
     assert (repo_paths.FUNCTIONAL_CASES_DIR / "gpt" / "tiny_moe_rowwise_cpu_ep2" / "model_config.yaml").is_file()
     assert (repo_paths.REPO_ROOT / "examples" / "pretrain_gpt.py").is_file()
+
+
+def test_interleaved_host_ms_charges_host_drift_to_every_step():
+    """Two steps, B twice A's cost, on a 'host' that gets slower every round: the absolute times
+    drift, the A/B ratio does not, and the steps were timed in turns."""
+    import time
+
+    from megatron_ext.bench.measurement import interleaved_host_ms
+
+    calls, slowdown = [], [1.0]
+
+    def busy(name, ms):
+        def step():
+            calls.append(name)
+            end = time.perf_counter() + ms * slowdown[0] / 1e3
+            while time.perf_counter() < end:
+                pass
+        return step
+
+    a, b = busy("a", 1.0), busy("b", 2.0)
+
+    def drift_then_a():
+        if calls and calls.count("a") % 3 == 0:  # each new round (1 warm-up + 2 timed calls): 50% slower
+            slowdown[0] *= 1.5
+        a()
+
+    result = interleaved_host_ms({"a": drift_then_a, "b": b}, rounds=3, iters=2)
+    assert calls == (["a"] * 3 + ["b"] * 3) * 3, "timed in turns, one round after another"
+    assert result["a"]["rounds"] == 3 and result["a"]["ratio_to_a"] == 1.0
+    assert result["b"]["max_ms"] > 1.8 * result["b"]["min_ms"], "the host drifted"
+    assert 1.5 < result["b"]["ratio_to_a"] < 2.7, result["b"]
