@@ -75,20 +75,18 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Tokens keep their [S, B, H] shape (the dispatch node flattens them, no view node)."""
         self.hidden_shape = tokens.shape
-        hidden = tokens
         self._ensure_transport(tokens.numel() // tokens.shape[-1], tokens.device)
         if isinstance(routing_map, fused_routes.Selection):  # FusedTopKRouter selected already
             self.top_idx, top_probs, self.selection = routing_map.top_idx, probs, routing_map
-        elif self.ext_config.fused_route_map and hidden.is_cuda:
+        elif self.ext_config.fused_route_map and tokens.is_cuda:
             self.top_idx, top_probs, self.selection = fused_routes.select(routing_map, probs, self.topk)
         else:
             self.top_idx, self.selection = routing_map_to_topk(routing_map, self.topk), None
             top_probs = probs.gather(1, self.top_idx).float()
         if self.config.moe_apply_probs_on_input:  # top-1 (rules.moe_problems): the experts see p * x, as
-            hidden = hidden.reshape(-1, hidden.shape[-1])  # in Megatron's experts; combine then weights by 1
-            hidden = (top_probs * hidden).to(hidden.dtype)
-            top_probs = torch.ones_like(top_probs)
-        return hidden, top_probs
+            rows = tokens.reshape(-1, tokens.shape[-1])  # in Megatron's experts; combine then weights by 1
+            return (top_probs * rows).to(tokens.dtype), torch.ones_like(top_probs)
+        return tokens, top_probs
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None

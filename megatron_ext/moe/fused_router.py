@@ -37,8 +37,8 @@ def _gate(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype)
     if hidden.dtype == weight.dtype == logits_dtype:
         return torch.mm(hidden, weight.t())
     if hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16) \
-            and logits_dtype == torch.float32 and hidden.is_cuda:
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+            and logits_dtype == torch.float32:
+        return _mm_fp32(hidden, weight.t())
     return torch.mm(hidden.to(logits_dtype), weight.to(logits_dtype).t())
 
 

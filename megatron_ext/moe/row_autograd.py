@@ -57,7 +57,7 @@ def dispatch_rows(tokens: torch.Tensor, transport: RowTransport, route: RouteMap
 
 
 def combine_rows(expert_out: torch.Tensor, probs: torch.Tensor, transport: RowTransport,
-                 route: RouteMap, out_shape=None) -> torch.Tensor:
-    """Expert outputs in the owners' buffers [C, H] -> sum_k probs[t, k] * row, [T, H] (or `out_shape`)."""
-    out_shape = (route.dest_row.shape[0], expert_out.shape[-1]) if out_shape is None else out_shape
+                 route: RouteMap, out_shape) -> torch.Tensor:
+    """Expert outputs in the owners' buffers [C, H] -> sum_k probs[t, k] * row, shaped `out_shape`
+    (the tokens' shape: [T, H] or [S, B, H])."""
     return _CombineRows.apply(expert_out, probs, transport, route, out_shape)
