@@ -113,3 +113,12 @@ def test_interleaved_host_ms_charges_host_drift_to_every_step():
     assert result["a"]["rounds"] == 3 and result["a"]["ratio_to_a"] == 1.0
     assert result["b"]["max_ms"] > 1.8 * result["b"]["min_ms"], "the host drifted"
     assert 1.5 < result["b"]["ratio_to_a"] < 2.7, result["b"]
+
+
+def test_interleaved_host_ms_refuses_no_rounds():
+    import pytest
+
+    from megatron_ext.bench.measurement import interleaved_host_ms
+
+    with pytest.raises(ValueError, match="rounds and iters must be >= 1, got 0 and 3"):
+        interleaved_host_ms({"a": lambda: None}, rounds=0, iters=3)
