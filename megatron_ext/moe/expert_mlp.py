@@ -8,7 +8,7 @@ gradient comes out in the parameter's own layout [L, H, F] instead of a transpos
 Megatron's DDP adds it to main_grad without a strided pass. Cost accepted: the backward is this
 module's code rather than torch's formula (checked against torch's autograd in the tests).
 Saved for backward, as autograd would: the input rows, fc1's output and the activation, each
-released in backward right after its last use (peak memory as torch's own backward).
+released in backward when torch's own backward would release it (peak memory as torch's).
 """
 
 from __future__ import annotations
@@ -40,11 +40,16 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         ctx.intermediates = None
         need_hidden, need_fc1, need_fc2, _, need_probs = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
+        need_act_grad = need_hidden or need_fc1 or need_probs
+        # fc2's two gradients while the activation is alive, then release it (torch's own order).
+        # Releasing it between them hands its memory to the next GEMM's output; inside a captured
+        # backward that gave NaN weight gradients in replays (tests/gpu/test_graph_runner_gpu.py,
+        # the training-shape stack), although every kernel ran on one stream.
+        grad_act = torch._grouped_mm(grad_out, fc2_weight, offs=offsets) if need_act_grad else None
         grad_fc2 = torch._grouped_mm(grad_out.t(), act, offs=offsets) if need_fc2 else None
         del act
-        if not (need_hidden or need_fc1 or need_probs):
+        if not need_act_grad:
             return None, None, grad_fc2, None, None
-        grad_act = torch._grouped_mm(grad_out, fc2_weight, offs=offsets)
         grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1])
         del grad_act, fc1_out
         grad_hidden = torch._grouped_mm(grad_fc1_out, fc1_weight, offs=offsets) if need_hidden else None
