@@ -12,11 +12,14 @@ Slots and leases agree by construction: graph slot i's forward is captured while
 0..i-1 still hold their dispatch-buffer leases, so it bakes in pool slot i; the layer's
 `lease_slots` must therefore be >= the number of graph slots. A replay holds pool slot i from
 its forward to its backward, so eager forwards between steps (evaluation) find the slots free.
-Forwards are captured first (in slot order), then backwards. Each slot has its own memory pool:
+Forwards are captured first (in slot order), then backwards. Each graph has its own memory pool:
 a pipeline schedule replays one slot's backward while other slots are live (1F1B: B0 after F1),
 so memory a shared pool would hand from one slot's freed activations to another slot's backward
-temporaries could still be in use. Cost accepted: backward temporaries are not shared between
-slots (one set per live microbatch).
+temporaries could still be in use; and a forward and its own backward sharing one pool gave
+corrupted expert weight gradients at the functional case's shape (NaN in fc2's, deterministic
+for a given allocator state, not a timing race: host syncs around the replays did not change it;
+tests/gpu/test_graph_runner_gpu.py, the training-shape stack run on its own). Cost accepted: no
+graph's temporaries are shared with another's (one set per graph per live microbatch).
 
 If capture is impossible or fails (on any rank of the EP group) the runner logs why and the
 layer stays eager; a failed capture leaves the process usable (cuda_graphs/capture.py).
@@ -153,6 +156,9 @@ class GraphedMoELayer:
     `layer.eager_forward(hidden)` (or `layer(hidden)`) must return (output, bias) like
     Megatron's MoELayer. Call the runner instead: `out, bias = runner(hidden)`. The first call
     captures every slot (the layer may have run eager steps before, on any stream).
+    `out` is the slot's static output buffer, valid until that slot's next replay (the microbatch
+    after this one's backward, when slots = live microbatches): use it before then, as
+    Megatron's transformer layer does by adding it to the residual at once.
     """
 
     def __init__(self, layer, num_slots: int, warmup_iters: int = 2):
@@ -252,14 +258,15 @@ class GraphedMoELayer:
             raise CaptureFailed(f"{free_before} dispatch-buffer slot(s) hold live microbatches at capture time; "
                                 f"capture needs the layer idle")
         slots = [_Slot(sample.detach().clone().requires_grad_(True)) for _ in range(self.num_slots)]
-        pools = [torch.cuda.graph_pool_handle() for _ in slots]  # one per slot (module docstring)
-        try:
-            for slot, pool in zip(slots, pools):  # forwards first: each keeps its lease, as in a pipeline warm-up
-                slot.output, _ = capture(slot.forward_graph, lambda s=slot: self.forward_fn(s.input), pool)
+        try:  # one memory pool per graph (module docstring)
+            for slot in slots:  # forwards first: each keeps its lease, as in a pipeline warm-up
+                slot.output, _ = capture(slot.forward_graph, lambda s=slot: self.forward_fn(s.input),
+                                         torch.cuda.graph_pool_handle())
                 slot.grad_output = torch.empty_like(slot.output)
-            for slot, pool in zip(reversed(slots), reversed(pools)):
+            for slot in reversed(slots):
                 slot.grads = capture(slot.backward_graph, lambda s=slot: torch.autograd.grad(
-                    s.output, (s.input, *self.params), s.grad_output, allow_unused=True), pool)
+                    s.output, (s.input, *self.params), s.grad_output, allow_unused=True),
+                    torch.cuda.graph_pool_handle())
         except CaptureFailed:
             for slot in slots:
                 slot.forward_graph.reset()
