@@ -90,3 +90,29 @@ def test_a_second_backward_says_what_to_do():
     out.backward(grad_out, retain_graph=True)
     with pytest.raises(RuntimeError, match="run the forward again"):
         out.backward(grad_out)
+
+
+def test_the_activation_lives_through_both_of_fc2s_gradient_gemms():
+    """Released between them, its memory went to the next GEMM's output and captured backwards
+    replayed NaN fc2 weight gradients on an H200 (docs/design.md, "Experts"); released after them,
+    before the fc1 GEMMs, the peak stays torch's."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, fc1, fc2, probs, grad_out, counts = _inputs()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    leaves = [t.clone().requires_grad_(True) for t in (x, fc1, fc2, probs)]
+    out = swiglu_grouped_mlp(*leaves[:3], offsets, leaves[3])
+    activation = weakref.ref(out.grad_fn.intermediates[1])
+    alive_at_gemm = []
+
+    class RecordGemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default:
+                alive_at_gemm.append(activation() is not None)
+            return func(*args, **(kwargs or {}))
+
+    with RecordGemms():
+        out.backward(grad_out)
+    assert alive_at_gemm == [True, True, False, False], alive_at_gemm
