@@ -292,7 +292,7 @@ class GraphedMoELayer:
             torch.cuda.current_stream().wait_stream(stream)
 
     def reset(self) -> None:
-        """Drop the graphs (and their memory pool); the next training forward captures again."""
+        """Drop the graphs (and their memory pools); the next training forward captures again."""
         if self.slots is not None:
             if any(slot.busy for slot in self.slots):
                 raise RuntimeError("cannot drop the MoE layer's CUDA graphs while a microbatch is live in them")
