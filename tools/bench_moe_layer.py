@@ -14,7 +14,8 @@ tokens only), peak memory above baseline, blocking CUDA calls per step (profiler
 submission ms per layer step, and the measured dense bf16 GEMM rate for the same FLOPs.
 Host submission drifts with the lent host; `--host-ab rowwise_symm,rowwise_symm_megatron_router
 --host-rounds 5` also times the named paths in turns, all alive at once, and reports each one's
-ratio to the first path (the figure to compare host changes by).
+ratio to the first path (the figure to compare host changes by). `--host-census rowwise_symm` times
+the layer's own functions inside the step (an op costs several times more there than in a loop).
 
     python tools/bench_moe_layer.py [--tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
 """
@@ -119,6 +120,10 @@ def measure(path, args, weights, x, grad_out, flops):
 
         result["host_phases_ms"] = forward_phase_ms(layer, x, grad_out, iters=args.iters)
         result["backward_nodes"] = backward_nodes(step, top=args.profile_top)
+    if path in args.host_census.split(","):
+        from megatron_ext.bench.host_census import function_census
+
+        result["host_census"] = function_census(step, iters=args.iters)
     if hasattr(layer, "read_metrics"):
         metrics = layer.read_metrics()
         if metrics:
@@ -170,6 +175,8 @@ def main():
     parser.add_argument("--profile-top", type=int, default=12, help="kernels and host functions listed per profile")
     parser.add_argument("--host-phases", default="",
                         help="comma-separated paths: host ms per forward phase and the costliest backward nodes")
+    parser.add_argument("--host-census", default="",
+                        help="comma-separated paths: in-step host us of the layer's functions (bench/host_census.py)")
     parser.add_argument("--host-ab", default="",
                         help="comma-separated paths whose host submission is also measured in turns, all "
                              "layers alive, over --host-rounds rounds (ratios to the first path per round)")
@@ -199,15 +206,17 @@ def main():
             print("  host:", line, flush=True)
         for line in rows[-1].get("host_cumulative", []):
             print("  host cumulative:", line, flush=True)
+        for row in rows[-1].get("host_census", [])[:args.profile_top]:
+            print(f"  host census: {row['us_per_step']:8.1f} us {row['calls_per_step']:4.1f} calls  {row['function']}",
+                  flush=True)
         for name, ms in rows[-1].get("host_phases_ms", {}).items():
             print(f"  host phase: {ms:7.3f} ms {name}")
         for node in rows[-1].get("backward_nodes", []):
             print(f"  backward node: {node['cpu_us']:7.1f} us x{node['calls']:.0f} {node['node']}")
         for kernel in rows[-1].get("kernels", {}).get("top_kernels", []):
             print(f"  kernel: {kernel['ms_per_iter']:7.3f} ms x{kernel['calls_per_iter']:.0f} {kernel['name'][:110]}")
-        print({k: v for k, v in rows[-1].items()
-               if k not in ("kernels", "host_hotspots", "host_cumulative", "host_phases_ms", "backward_nodes")},
-              flush=True)
+        listed = ("kernels", "host_hotspots", "host_cumulative", "host_phases_ms", "backward_nodes", "host_census")
+        print({k: v for k, v in rows[-1].items() if k not in listed}, flush=True)
     host_ab = host_ab_ms(args, weights, x, grad_out) if args.host_ab else None
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
