@@ -12,6 +12,8 @@ min..max over the repeats), the peak memory and the loss over the last steps. Va
   rowwise           megatron_ext's rowwise layer as the case configures it (capacity factor)
   rowwise_megatron_router  the same with Megatron's own top-k routing (--moe-ext-no-fused-router)
   rowwise_dropless  the same, capacity sized so nothing is dropped (same work as Megatron's)
+  rowwise_bounded   bounded dropless: the case's capacity factor as the bound, an overflow stops the
+                    run with CapacityExceeded at a logging step (--moe-ext-on-overflow error)
   rowwise_graphs    the rowwise layer captured in CUDA graphs (--moe-ext-cuda-graphs)
   rowwise_layer_graphs  whole transformer layers (attention and the rowwise MoE layer) captured by
                     Megatron's own runner (--cuda-graph-impl local)
@@ -44,6 +46,7 @@ VARIANTS = {
     "rowwise": [],
     "rowwise_megatron_router": ["--moe-ext-no-fused-router"],
     "rowwise_dropless": ["--moe-ext-dropless"],
+    "rowwise_bounded": ["--moe-ext-on-overflow", "error"],
     "rowwise_graphs": ["--moe-ext-cuda-graphs"],
     "rowwise_layer_graphs": ["--cuda-graph-impl", "local"],
 }
