@@ -259,6 +259,44 @@ def test_training_shape_stack_with_aux_loss_under_ddp_matches_eager():
     assert "training-shape stack: equal" in child.stdout, child.stdout[-4000:]
 
 
+def test_training_shape_stack_with_nan_filled_graph_pools_matches_eager():
+    """The same check with every graph's memory pool filled with NaN before its capture: a replay
+    that read memory no kernel of it wrote would give a non-finite gradient. Fresh pools usually
+    hold zeros, so this is what shows whether the per-graph pools cured the shared-pool corruption or
+    only hid a read of unwritten memory (BENCHMARKS.md, "Graph runner regression")."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    child = subprocess.run([sys.executable, __file__, "--nan-filled-pools"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, f"{child.stdout[-4000:]}\n{child.stderr[-4000:]}"
+    assert "nan-filled graph pools: 4 pools" in child.stdout, child.stdout[-4000:]
+    assert "training-shape stack: equal" in child.stdout, child.stdout[-4000:]
+
+
+def nan_filled_graph_pools() -> list:
+    """Make torch.cuda.graph_pool_handle hand out pools whose cached blocks hold NaN: 256 MiB of
+    large blocks and 32 MiB of small ones (under 1 MiB each, the allocator's small pool). Returns the
+    list the pools are kept alive in (a pool must outlive its graphs)."""
+    pools = []
+    if torch.cuda.graph.default_capture_stream is None:  # what torch.cuda.graph creates on first use
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    capture_stream = torch.cuda.graph.default_capture_stream
+
+    def handle():
+        pool = torch.cuda.MemPool()
+        # On the capture stream: the allocator hands a capture only blocks freed on its own stream.
+        with torch.cuda.stream(capture_stream), torch.cuda.use_mem_pool(pool):
+            fillers = [torch.full((64 << 20,), float("nan"), device="cuda")]
+            fillers += [torch.full((128 << 10,), float("nan"), device="cuda") for _ in range(64)]
+        del fillers  # the blocks stay cached in the pool, NaN inside, for the capture to reuse
+        capture_stream.synchronize()
+        pools.append(pool)
+        return pool.id
+
+    torch.cuda.graph_pool_handle = handle
+    return pools
+
+
 def check_training_shape_stack():
     """The single-GPU functional case's MoE shape (hidden 1024, FFN 2048, 8 experts, top-2, 4096
     tokens as [1024, 4, H], load-balancing loss 1e-2 scaled by 1 / microbatches as Megatron's
@@ -324,8 +362,11 @@ def check_training_shape_stack():
     print("training-shape stack: equal to eager")
 
 
-if __name__ == "__main__":  # the fresh process of test_training_shape_stack_with_aux_loss_under_ddp_matches_eager
+if __name__ == "__main__":  # the fresh process of the two training-shape stack tests
     from megatron_ext.testing.single_rank import init_single_rank_megatron
 
     init_single_rank_megatron()
+    nan_pools = nan_filled_graph_pools() if "--nan-filled-pools" in sys.argv else None
     check_training_shape_stack()
+    if nan_pools is not None:
+        print(f"nan-filled graph pools: {len(nan_pools)} pools")
