@@ -78,11 +78,11 @@ def function_census(step: Callable[[], object], targets=ROWWISE_TARGETS, iters: 
     """Per named function: mean host us per step and calls per step over `iters` steps, costliest first."""
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
-    counting = [False]
+    counting = False
 
     def timed(label, fn):
         def call(*args, **kwargs):
-            if not counting[0]:
+            if not counting:
                 return fn(*args, **kwargs)
             start = time.perf_counter()
             try:
@@ -103,9 +103,9 @@ def function_census(step: Callable[[], object], targets=ROWWISE_TARGETS, iters: 
             step()
         for _ in range(iters):
             synchronize()
-            counting[0] = True
+            counting = True
             step()
-            counting[0] = False
+            counting = False
         synchronize()
     finally:
         for restore in reversed(restores):

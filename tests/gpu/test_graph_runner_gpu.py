@@ -252,11 +252,8 @@ def test_replay_under_megatron_ddp_matches_eager_without_copying_grads(weights):
 def test_training_shape_stack_with_aux_loss_under_ddp_matches_eager():
     """check_training_shape_stack in a fresh process: the corruption it guards against depended on
     the allocator's state (it showed when this ran alone, not after the other tests here)."""
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, f"{child.stdout[-4000:]}\n{child.stderr[-4000:]}"
-    assert "training-shape stack: equal" in child.stdout, child.stdout[-4000:]
+    stdout = _run_in_fresh_process()
+    assert "training-shape stack: equal" in stdout, stdout[-4000:]
 
 
 def test_training_shape_stack_with_nan_filled_graph_pools_matches_eager():
@@ -264,13 +261,18 @@ def test_training_shape_stack_with_nan_filled_graph_pools_matches_eager():
     that read memory no kernel of it wrote would give a non-finite gradient. Fresh pools usually
     hold zeros, so this is what shows whether the per-graph pools cured the shared-pool corruption or
     only hid a read of unwritten memory (BENCHMARKS.md, "Graph runner regression")."""
+    stdout = _run_in_fresh_process("--nan-filled-pools")
+    assert "nan-filled graph pools: 4 pools" in stdout, stdout[-4000:]
+    assert "training-shape stack: equal" in stdout, stdout[-4000:]
+
+
+def _run_in_fresh_process(*flags: str) -> str:
+    """This file's __main__ (check_training_shape_stack) in a new Python process; its stdout."""
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    child = subprocess.run([sys.executable, __file__, "--nan-filled-pools"], env=env, capture_output=True,
-                           text=True, timeout=300)
+    child = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, f"{child.stdout[-4000:]}\n{child.stderr[-4000:]}"
-    assert "nan-filled graph pools: 4 pools" in child.stdout, child.stdout[-4000:]
-    assert "training-shape stack: equal" in child.stdout, child.stdout[-4000:]
+    return child.stdout
 
 
 def nan_filled_graph_pools() -> list:
