@@ -12,6 +12,9 @@ EP=1 and for tests). A route map gives, for each route (t, k) of this source ran
   dispatch backward.
 - `copy_rows_below`: the rows of a capacity buffer below a device count, into another buffer
   (the symm transport's GET sources at EP > 1: only the rows that arrived, not all C).
+- Per-route values (the router probabilities): `put_rows` can also store each kept route's fp32
+  value at its row of the owner's [C] value array, and `get_rows` fetch it back per route, in
+  the same launch and hence the same phase as the rows.
 
 What this removes: no per-destination packing of send blocks, no host-side split lists
 (no device-to-host copy), no receiver-side permutation; a row is moved once, by the source,
@@ -88,8 +91,30 @@ if triton is not None:
         return base + tl.where(kept, row, 0).to(tl.int64) * H, kept
 
     @triton.jit
-    def _put_rows_kernel(src_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, row_scale_ptr, num_peers, capacity,
-                         H: tl.constexpr, K: tl.constexpr, HAS_SCALE: tl.constexpr, BUF: tl.constexpr,
+    def _put_route_values(values_ptr, value_table_ptr, dest_rank_ptr, dest_row_ptr, token, num_peers, capacity,
+                          K: tl.constexpr):
+        """Store each kept route's fp32 value (its router probability) at its destination row of the
+        owner's [C] value array: the per-row probabilities travel with the rows, in the same phase."""
+        for k in tl.static_range(K):
+            route = token * K + k
+            dst, kept = _peer_row(value_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, 1,
+                                  tl.float32)
+            tl.store(dst, tl.load(values_ptr + route), mask=kept)
+
+    @triton.jit
+    def _get_route_values(value_table_ptr, dest_rank_ptr, dest_row_ptr, values_out_ptr, token, num_peers, capacity,
+                          K: tl.constexpr):
+        """values_out[t, k] = the fp32 value at route (t, k)'s row of its owner's [C] value array, 0 if dropped."""
+        for k in tl.static_range(K):
+            route = token * K + k
+            src, kept = _peer_row(value_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, 1,
+                                  tl.float32)
+            tl.store(values_out_ptr + route, tl.where(kept, tl.load(src, mask=kept, other=0.0), 0.0))
+
+    @triton.jit
+    def _put_rows_kernel(src_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, row_scale_ptr, values_ptr,
+                         value_table_ptr, num_peers, capacity, H: tl.constexpr, K: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, HAS_VALUES: tl.constexpr, BUF: tl.constexpr,
                          BLOCK_H: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
@@ -105,11 +130,14 @@ if triton is not None:
                 else:
                     value = x
                 tl.store(dst + col, value, mask=in_row & kept)
+        if HAS_VALUES:
+            _put_route_values(values_ptr, value_table_ptr, dest_rank_ptr, dest_row_ptr, token, num_peers, capacity, K)
 
     @triton.jit
-    def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr, num_peers,
-                         capacity, H: tl.constexpr, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                         HAS_GATHERED: tl.constexpr, BUF: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr,
+                         value_table_ptr, values_out_ptr, num_peers, capacity, H: tl.constexpr, K: tl.constexpr,
+                         HAS_WEIGHTS: tl.constexpr, HAS_GATHERED: tl.constexpr, HAS_VALUES: tl.constexpr,
+                         BUF: tl.constexpr, BLOCK_H: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -127,10 +155,14 @@ if triton is not None:
                 if HAS_GATHERED:
                     tl.store(gathered_ptr + route * H + col, row.to(gathered_ptr.dtype.element_ty), mask=in_row)
             tl.store(out_ptr + token * H + col, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+        if HAS_VALUES:
+            _get_route_values(value_table_ptr, dest_rank_ptr, dest_row_ptr, values_out_ptr, token, num_peers, capacity,
+                              K)
 
 
     @triton.jit
-    def _copy_rows_below_kernel(src_ptr, dst_ptr, bound_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _copy_rows_below_kernel(src_ptr, dst_ptr, bound_ptr, values_src_ptr, values_dst_ptr, H: tl.constexpr,
+                                HAS_VALUES: tl.constexpr, BLOCK_H: tl.constexpr):
         row = tl.program_id(0)
         if row < tl.load(bound_ptr):  # rows at or past the device count: nothing to read or write
             base = row.to(tl.int64) * H
@@ -139,6 +171,8 @@ if triton is not None:
                 col = h0 + cols
                 in_row = col < H
                 tl.store(dst_ptr + base + col, tl.load(src_ptr + base + col, mask=in_row), mask=in_row)
+            if HAS_VALUES:
+                tl.store(values_dst_ptr + row, tl.load(values_src_ptr + row))
 
 
 _NO_ROW_BOUND = 2**31 - 1
@@ -230,35 +264,60 @@ def _config(H, dtype, block_h, num_warps):
     return block_h, default_warps if num_warps is None else num_warps
 
 
+def _check_value_table(op, value_table, peer_table, values) -> None:
+    """Per-route values need both the [T, K] values and the owners' int64 table of [C] fp32 arrays."""
+    _require((value_table is None) == (values is None),
+             f"{op}: per-route values need both the values and value_table (the owners' [C] fp32 arrays); "
+             f"got only one")
+    if value_table is not None:
+        _require(value_table.dtype == torch.int64 and value_table.shape == peer_table.shape,
+                 f"{op}: value_table must be int64 {tuple(peer_table.shape)} like peer_table, got "
+                 f"{value_table.dtype} {tuple(value_table.shape)}", TypeError)
+        _require(value_table.device == peer_table.device,
+                 f"{op}: value_table is on {value_table.device}, peer_table on {peer_table.device}")
+
+
 def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
-             row_scale: torch.Tensor | None = None, *, capacity: int | None = None, block_h: int | None = None,
+             row_scale: torch.Tensor | None = None, *, route_values: torch.Tensor | None = None,
+             value_table: torch.Tensor | None = None, capacity: int | None = None, block_h: int | None = None,
              num_warps: int | None = None) -> None:
     """Store src[t] (times row_scale[t, k] in fp32, if given) into peer dest_rank[t, k]'s buffer row
     dest_row[t, k] for every kept route; dropped routes (-1) write nothing. Buffers have src's dtype.
+    With `route_values` [T, K] fp32 and `value_table` (the owners' [C] fp32 arrays), each kept route
+    also stores its value at the same row of its owner's array, in the same launch.
     Routes outside [0, M) x [0, capacity) are masked (no write); pass the buffers' row count as
     `capacity` (None: only the rank is bounded)."""
-    T, K, H = _check_common("put_rows", src, dest_rank, dest_row, peer_table, (("row_scale", row_scale),))
+    T, K, H = _check_common("put_rows", src, dest_rank, dest_row, peer_table,
+                            (("row_scale", row_scale), ("route_values", route_values)))
     _require(src.dtype in _BUFFER_DTYPES, f"put_rows: src dtype {src.dtype} not supported; use one of "
              f"{_BUFFER_DTYPES}", TypeError)
+    _check_value_table("put_rows", value_table, peer_table, route_values)
     _check_runnable("put_rows", src)
     if T == 0 or K == 0 or H == 0:
         return
     block_h, num_warps = _config(H, src.dtype, block_h, num_warps)
+    has_values = route_values is not None
     _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale,
+                           route_values if has_values else src, value_table if has_values else peer_table,
                            peer_table.numel(), _row_bound(capacity), H, K,
-                           HAS_SCALE=row_scale is not None, BUF=_TL_DTYPES[src.dtype], BLOCK_H=block_h,
-                           num_warps=num_warps)
+                           HAS_SCALE=row_scale is not None, HAS_VALUES=has_values, BUF=_TL_DTYPES[src.dtype],
+                           BLOCK_H=block_h, num_warps=num_warps)
 
 
 def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, out: torch.Tensor,
              weights: torch.Tensor | None = None, gathered: torch.Tensor | None = None, *,
+             value_table: torch.Tensor | None = None, values_out: torch.Tensor | None = None,
              capacity: int | None = None, buffer_dtype: torch.dtype | None = None, block_h: int | None = None,
              num_warps: int | None = None) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * peer[dest_rank[t, k]][dest_row[t, k]] (fp32 accumulation, weights
     None = 1, dropped routes add exactly 0); if `gathered` [T, K, H] is given, it receives every fetched
-    row (0 for dropped). Peer buffers hold `buffer_dtype` (default: out's dtype). Routes outside
-    [0, M) x [0, capacity) read nothing and add 0, like dropped ones. Returns out."""
-    T, K, H = _check_common("get_rows", out, dest_rank, dest_row, peer_table, (("weights", weights),))
+    row (0 for dropped). With `value_table` (the owners' [C] fp32 arrays) and `values_out` [T, K] fp32,
+    each route also fetches the value at its row (0 for dropped), in the same launch. Peer buffers
+    hold `buffer_dtype` (default: out's dtype). Routes outside [0, M) x [0, capacity) read nothing
+    and add 0, like dropped ones. Returns out."""
+    T, K, H = _check_common("get_rows", out, dest_rank, dest_row, peer_table,
+                            (("weights", weights), ("values_out", values_out)))
+    _check_value_table("get_rows", value_table, peer_table, values_out)
     buffer_dtype = out.dtype if buffer_dtype is None else buffer_dtype
     for name, dtype in (("buffer_dtype", buffer_dtype), ("out", out.dtype)):
         _require(dtype in _BUFFER_DTYPES, f"get_rows: {name} {dtype} not supported; use one of {_BUFFER_DTYPES}",
@@ -274,17 +333,24 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
     if T == 0 or H == 0:
         return out
     block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
+    has_values = values_out is not None
     _get_rows_kernel[(T,)](peer_table, dest_rank, dest_row, out, out if weights is None else weights,
-                           out if gathered is None else gathered, peer_table.numel(), _row_bound(capacity), H, K,
+                           out if gathered is None else gathered, value_table if has_values else peer_table,
+                           values_out if has_values else out, peer_table.numel(), _row_bound(capacity), H, K,
                            HAS_WEIGHTS=weights is not None, HAS_GATHERED=gathered is not None,
-                           BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h, num_warps=num_warps)
+                           HAS_VALUES=has_values, BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h,
+                           num_warps=num_warps)
     return out
 
 
-def copy_rows_below(src: torch.Tensor, dst: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+def copy_rows_below(src: torch.Tensor, dst: torch.Tensor, bound: torch.Tensor,
+                    values: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """dst[r] = src[r] for the rows r < bound[0], a device int32 count (no host read); rows at or
-    past it stay as they are. Moves the rows a capacity buffer holds instead of all C. Returns dst."""
-    key = ("copy_rows_below", _layout(src), _layout(dst), _layout(bound))
+    past it stay as they are. Moves the rows a capacity buffer holds instead of all C. With
+    `values` = (values_src, values_dst), two [C] fp32 arrays, values_dst[r] = values_src[r] for
+    the same rows, in the same launch. Returns dst."""
+    key = ("copy_rows_below", _layout(src), _layout(dst), _layout(bound),
+           None if values is None else tuple(_layout(v) for v in values))
     if key not in _VALIDATED:
         _require(triton is not None, "copy_rows_below: Triton is not installed", RuntimeError)
         _require(src.dim() == 2 and src.shape == dst.shape and src.dtype == dst.dtype,
@@ -298,11 +364,18 @@ def copy_rows_below(src: torch.Tensor, dst: torch.Tensor, bound: torch.Tensor) -
                  f"copy_rows_below: src, dst and bound must share a device ({src.device}, {dst.device}, "
                  f"{bound.device})")
         _require(src.dtype in _BUFFER_DTYPES, f"copy_rows_below: dtype {src.dtype} not supported", TypeError)
+        for name, v in zip(("values_src", "values_dst"), values or ()):
+            _require(v.dtype == torch.float32 and v.shape == (src.shape[0],) and v.is_contiguous()
+                     and v.device == src.device,
+                     f"copy_rows_below: {name} must be a contiguous float32 [{src.shape[0]}] on {src.device}, got "
+                     f"{v.dtype} {tuple(v.shape)} on {v.device}")
         _VALIDATED.add(key)
     _check_runnable("copy_rows_below", src)
     rows, H = src.shape
     if rows == 0 or H == 0:
         return dst
     block_h, num_warps = _cached_launch_config(H, src.dtype)
-    _copy_rows_below_kernel[(rows,)](src, dst, bound, H, BLOCK_H=block_h, num_warps=num_warps)
+    values_src, values_dst = values if values is not None else (src, dst)
+    _copy_rows_below_kernel[(rows,)](src, dst, bound, values_src, values_dst, H, HAS_VALUES=values is not None,
+                                     BLOCK_H=block_h, num_warps=num_warps)
     return dst

@@ -126,6 +126,41 @@ def check_copy_rows_below(dtype, C: int, H: int, bound: int, failures: list[str]
         failures.append(f"copy_rows_below {dtype} bound={bound}: rows below not copied or rows past it written")
 
 
+def check_route_values(M: int, T: int, K: int, C: int, seed: int, failures: list[str]) -> None:
+    """put_rows with route_values stores each kept route's value at its row of the owner's [C]
+    array and nothing else; get_rows with values_out fetches it back per route (0 if dropped);
+    copy_rows_below with values copies the values below the bound. Brute force: Python loops."""
+    from megatron_ext.kernels.row_transfer import copy_rows_below, get_rows, peer_table_from_buffers, put_rows
+
+    name = f"route values M={M} T={T} K={K} C={C}"
+    gen = torch.Generator().manual_seed(seed)
+    dest_rank, dest_row = random_routes(T, K, M, C, drop=0.25, seed=seed)
+    src, values = torch.randn(T, 8, generator=gen), torch.rand(T, K, generator=gen)
+    rows = [torch.full((C, 8), float("nan")) for _ in range(M)]
+    arrays = [torch.full((C, 1), float("nan")) for _ in range(M)]
+    put_rows(src, dest_rank, dest_row, peer_table_from_buffers(rows), route_values=values,
+             value_table=peer_table_from_buffers(arrays))
+    want = [torch.full((C,), float("nan")) for _ in range(M)]
+    for t in range(T):
+        for k in range(K):
+            if dest_row[t, k] >= 0:
+                want[int(dest_rank[t, k])][int(dest_row[t, k])] = values[t, k]
+    if not all(torch.equal(a[:, 0].nan_to_num(-7.0), w.nan_to_num(-7.0)) for a, w in zip(arrays, want)):
+        failures.append(f"put {name}: the value arrays differ from the brute force")
+    fetched = torch.full((T, K), float("nan"))
+    get_rows(peer_table_from_buffers(rows), dest_rank, dest_row, torch.empty(T, 8),
+             value_table=peer_table_from_buffers(arrays), values_out=fetched)
+    if not torch.equal(fetched, torch.where(dest_row >= 0, values, 0.0)):
+        failures.append(f"get {name}: fetched values differ (kept: the route's value, dropped: 0)")
+    bound = C // 2
+    copied = torch.full((C,), float("nan"))
+    copy_rows_below(rows[0], torch.empty_like(rows[0]), torch.tensor([bound], dtype=torch.int32),
+                    values=(arrays[0][:, 0].contiguous(), copied))
+    if not torch.equal(copied[:bound].nan_to_num(-7.0), arrays[0][:bound, 0].nan_to_num(-7.0)) \
+            or not copied[bound:].isnan().all():
+        failures.append(f"copy_rows_below {name}: values below the bound not copied or past it written")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
@@ -144,6 +179,9 @@ def main() -> int:
         for bound in (0, 5, 12):
             check_copy_rows_below(dtype, C=12, H=40, bound=bound, failures=failures)
             cases += 1
+    for M in (1, 3):
+        check_route_values(M, T=9, K=3, C=16, seed=M, failures=failures)
+        cases += 1
     for line in failures:
         print("MISMATCH", line)
     print(f"{cases} cases, {len(failures)} mismatches")
