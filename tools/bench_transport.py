@@ -145,12 +145,11 @@ def symm_kernel_cases(routes: Routes, setup: Setup, ranks: Ranks, tokens: torch.
     source = allocate_symmetric(shape, tokens.dtype, ranks.device, group)
     source.local.normal_()
     out = torch.empty_like(tokens)
-    gathered = torch.empty(tokens.shape[0], setup.topk, setup.hidden, dtype=tokens.dtype, device=tokens.device)
     cases = [
         ("put_rows", lambda: put_rows(tokens, rm.dest_rank, rm.dest_row, target.peer_table), fence,
          setup.hidden * tokens.element_size()),
-        ("get_rows", lambda: get_rows(source.peer_table, rm.dest_rank, rm.dest_row, out, routes.probs, gathered),
-         fence, setup.hidden * tokens.element_size()),
+        ("get_rows", lambda: get_rows(source.peer_table, rm.dest_rank, rm.dest_row, out), fence,
+         setup.hidden * tokens.element_size()),
     ]
     return cases + mxfp8_kernel_cases(routes, ranks, tokens, group, fence)
 
@@ -201,25 +200,26 @@ def phase_cases(make_transport, routes: Routes, tokens: torch.Tensor, fence):
     transport = make_transport()
     rm, probs = routes.route_map, routes.probs
     rows = torch.randn(routes.capacity, tokens.shape[1], device=tokens.device).to(tokens.dtype)
+    row_probs = torch.rand(routes.capacity, device=tokens.device)
 
     def dispatch():
-        _, lease = transport.dispatch(tokens, rm)
+        *_, lease = transport.dispatch(tokens, probs, rm)
         transport.release(lease)
 
     dispatch()  # the first dispatch allocates the transport's buffers (collective), before any timing
 
     row_bytes = tokens.shape[1] * tokens.element_size()
     fns = {"dispatch": dispatch,
-           "combine": lambda: transport.combine(rows, rm, probs),
-           "combine_backward": lambda: transport.combine_backward(tokens, rm, probs),
-           "dispatch_backward": lambda: transport.dispatch_backward(rows, rm)}
+           "combine": lambda: transport.combine(rows, rm),
+           "combine_backward": lambda: transport.combine_backward(tokens, rm),
+           "dispatch_backward": lambda: transport.dispatch_backward(rows, row_probs, rm)}
     cases = [(name, fns[name], fence, row_bytes) for name in PHASES]
     mxfp8_bytes = mxfp8_row_bytes(tokens.shape[1])
     if hasattr(transport, "dispatch_quantized") and mxfp8_bytes is not None:
         quantizing = make_transport()
 
         def dispatch_quantized():
-            _, lease = quantizing.dispatch_quantized(tokens, rm)
+            *_, lease = quantizing.dispatch_quantized(tokens, probs, rm)
             quantizing.release(lease)
 
         dispatch_quantized()  # its own buffers, allocated before timing

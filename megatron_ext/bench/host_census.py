@@ -31,7 +31,6 @@ ROWWISE_TARGETS = (
     ("megatron_ext.moe.row_autograd", "_DispatchRows.backward"),
     ("megatron_ext.moe.row_autograd", "_CombineRows.forward"),
     ("megatron_ext.moe.row_autograd", "_CombineRows.backward"),
-    ("megatron_ext.moe.row_autograd", "route_dot"),
     ("megatron_ext.moe.expert_mlp", "_SwiGLUGroupedMLP.forward"),
     ("megatron_ext.moe.expert_mlp", "_SwiGLUGroupedMLP.backward"),
     ("megatron_ext.moe.experts", "counts_to_offsets"),

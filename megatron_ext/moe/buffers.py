@@ -36,6 +36,8 @@ class SymmetricBuffer:
     local: torch.Tensor  # [C, H] this rank's buffer
     peer_table: torch.Tensor  # [M] int64 base addresses, on the device
     handle: object = None  # object with .barrier(channel=0) (None with one rank)
+    values: torch.Tensor | None = None  # [C] fp32 per-row values (router probabilities), if any
+    values_table: torch.Tensor | None = None  # [M] int64 base addresses of every rank's `values`
 
     def barrier(self, timeout_ms: int = 0) -> None:
         """Device-side barrier over the EP group: all peers' prior writes are visible after it.
@@ -44,10 +46,39 @@ class SymmetricBuffer:
             self.handle.barrier(channel=0, timeout_ms=timeout_ms)
 
 
+def poison(buffer: SymmetricBuffer) -> None:
+    """NaN-fill this rank's rows and per-row values (debug: a read of an unwritten row shows)."""
+    buffer.local.fill_(float("nan"))
+    if buffer.values is not None:
+        buffer.values.fill_(float("nan"))
+
+
 def poison_then_fence(buffer: SymmetricBuffer) -> None:
     """NaN-fill this rank's buffer, then barrier, so no peer's later PUT is wiped by the fill."""
-    buffer.local.fill_(float("nan"))
+    poison(buffer)
     buffer.barrier()
+
+
+_VALUES_ALIGN = 16  # bytes: the value array starts 16-byte aligned after the rows
+
+
+def rows_with_values(heap: "SymmetricHeap", capacity: int, width: int, dtype: torch.dtype, device,
+                     scratch_role: str | None = None) -> SymmetricBuffer:
+    """[C, width] rows of `dtype` and, in the same symmetric allocation after them, [C] fp32
+    per-row values: the router probability of each dispatched row, or its gradient.
+
+    Cost removed: a second allocation, peer table and barrier for the values; a PUT or a copy
+    that writes both is ordered for peers by the one barrier that orders the rows. Cost
+    accepted: the rows are a view into a byte allocation (no storage of their own dtype).
+    `scratch_role`: the heap's shared scratch of that role instead of a new allocation."""
+    row_bytes = capacity * width * torch.empty((), dtype=dtype).element_size()
+    values_at = -(-row_bytes // _VALUES_ALIGN) * _VALUES_ALIGN
+    shape = (values_at + 4 * capacity,)
+    raw = (heap.allocate(shape, torch.uint8, device) if scratch_role is None
+           else heap.scratch(scratch_role, shape, torch.uint8, device))
+    rows = raw.local[:row_bytes].view(dtype).view(capacity, width)
+    values = raw.local[values_at:].view(torch.float32)
+    return SymmetricBuffer(rows, raw.peer_table, raw.handle, values, raw.peer_table + values_at)
 
 
 class SymmetricHeap(Protocol):
@@ -149,7 +180,7 @@ class LeasePool:
         # next rows: they follow the peer's acquire fence, which this rank reaches after this.
         self.busy[slot] = False
         if self.poison:
-            self.slots[slot].local.fill_(float("nan"))
+            poison(self.slots[slot])
 
     def release_all(self) -> None:
         """Free every slot: only when no microbatch is live (after a failed graph capture)."""

@@ -4,9 +4,11 @@ Megatron's alltoall dispatcher permutes rows per peer, waits on the host for spl
 a variable-split all-to-all, then permutes again. Here every step stays on the device:
   dispatch_preprocess  routing_map [T, E] -> top-k expert ids [T, K] and their probs (fp32), or
                        FusedTopKRouter's selection and top-k probs as they are
-  token_dispatch       route map (one [E] count all-gather), PUT rows into capacity buffers
-  dispatch_postprocess the buffer itself plus per-local-expert counts on the device
-  token_combine        GET the K expert rows per token, prob-weighted sum in fp32
+  token_dispatch       route map (one [E] count all-gather), PUT rows and their probs into
+                       capacity buffers
+  dispatch_postprocess the buffer itself, per-local-expert counts on the device and each row's
+                       probability, which the experts apply (Megatron's permuted_probs)
+  token_combine        GET the K expert rows per token, summed in fp32
 Written against megatron-core 0.19.2 (MoETokenDispatcher in transformer/moe/token_dispatcher.py).
 """
 
@@ -83,10 +85,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         else:
             self.top_idx, self.selection = routing_map_to_topk(routing_map, self.topk), None
             top_probs = probs.gather(1, self.top_idx).float()
-        if self.config.moe_apply_probs_on_input:  # top-1 (rules.moe_problems): the experts see p * x, as
-            rows = tokens.reshape(-1, tokens.shape[-1])  # in Megatron's experts; combine then weights by 1
-            return (top_probs * rows).to(tokens.dtype), torch.ones_like(top_probs)
-        return tokens, top_probs
+        return tokens, top_probs  # moe_apply_probs_on_input: the experts scale their input rows
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
@@ -101,29 +100,28 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         if self.ext_config.debug_checks:  # host reads: debug only
             check_route_map(self.route_map, self.top_idx, self.num_experts, self.capacity, self.ep_size)
         if self.ext_config.mxfp8_dispatch:
-            buffer, self.payload, self.lease = dispatch_rows_mxfp8(hidden.reshape(-1, hidden.shape[-1]),
-                                                                   self.transport, self.route_map)
+            buffer, row_probs, self.payload, self.lease = dispatch_rows_mxfp8(
+                hidden.reshape(-1, hidden.shape[-1]), probs, self.transport, self.route_map)
         else:
-            (buffer, self.lease), self.payload = dispatch_rows(hidden, self.transport, self.route_map), None
+            (buffer, row_probs, self.lease), self.payload = dispatch_rows(hidden, probs, self.transport,
+                                                                         self.route_map), None
         self.row_bytes = dispatch_row_bytes(hidden.shape[-1], hidden.dtype, self.ext_config.mxfp8_dispatch)
         self.routes_per_step = self.top_idx.numel()
-        return buffer, probs
+        return buffer, row_probs
 
-    def dispatch_postprocess(self, hidden: torch.Tensor, probs: torch.Tensor):
-        self.probs = probs
+    def dispatch_postprocess(self, hidden: torch.Tensor, row_probs: torch.Tensor):
         # Counts stay on the device; the experts turn them into int32 end offsets. An MXFP8
         # payload goes with them, explicitly (never as an attribute of `hidden`).
         counts = self.route_map.recv_counts
         if self.payload is not None:
             counts, self.payload = MXFP8Rows(counts, self.payload), None
-        return hidden, counts, None
+        return hidden, counts, row_probs
 
     def combine_preprocess(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
     def token_combine(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = combine_rows(hidden, self.probs, self.transport, self.route_map, self.hidden_shape)
-        self.probs = None
+        out = combine_rows(hidden, self.transport, self.route_map, self.hidden_shape)
         if not torch.is_grad_enabled():
             self.transport.release(self.lease)  # no backward will read the dispatch buffer
         self.lease = None

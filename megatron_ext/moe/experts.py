@@ -59,7 +59,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
     forward(hidden [rows, H], tokens_per_expert [L] counts, permuted_probs [rows] | None)
     returns (output [rows, H], None). Probabilities, when given, scale the activation output
     and the fc2 bias per row as Megatron's experts do (or the input rows, with
-    moe_apply_probs_on_input); the rowwise dispatcher passes None and weights in combine.
+    moe_apply_probs_on_input); the rowwise dispatcher passes each buffer row's probability.
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,

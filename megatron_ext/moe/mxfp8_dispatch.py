@@ -32,6 +32,7 @@ import torch
 from megatron_ext.formats import mxfp8
 from megatron_ext.kernels.mxfp8_rows import dequantize_packed
 from megatron_ext.moe.route_map import RouteMap
+from megatron_ext.moe.row_autograd import detached_alias
 from megatron_ext.moe.transport.base import RowTransport
 
 
@@ -52,26 +53,33 @@ class MXFP8Rows:
 
 class _DispatchMXFP8Rows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, transport: RowTransport, route: RouteMap, holder: list):
-        packed, lease = transport.dispatch_quantized(tokens.contiguous(), route)  # uint8 [C, P]
-        ctx.transport, ctx.route, ctx.lease = transport, route, lease
+    def forward(ctx, tokens, probs, transport: RowTransport, route: RouteMap, holder: list):
+        packed, row_probs, lease = transport.dispatch_quantized(tokens.contiguous(), probs, route)  # uint8 [C, P]
+        ctx.transport, ctx.route, ctx.lease, ctx.probs_dtype = transport, route, lease, probs.dtype
         holder.append((MXFP8Payload(packed, tokens.shape[1], tokens.dtype), lease))
-        return tokens.new_zeros(()).expand(packed.shape[0], tokens.shape[1])
+        return tokens.new_zeros(()).expand(packed.shape[0], tokens.shape[1]), detached_alias(row_probs)
 
     @staticmethod
-    def backward(ctx, grad_buffer):
-        grad_tokens = ctx.transport.dispatch_backward(grad_buffer.contiguous(), ctx.route)
+    def backward(ctx, grad_buffer, grad_row_probs):
+        if not ctx.needs_input_grad[1]:
+            grad_row_probs = None
+        elif grad_row_probs is not None:
+            grad_row_probs = grad_row_probs.float().contiguous()
+        grad_tokens, grad_probs = ctx.transport.dispatch_backward(grad_buffer.contiguous(), grad_row_probs, ctx.route)
         ctx.transport.release(ctx.lease)  # the up-projection's Wgrad, the payload's last reader, ran
-        return grad_tokens, None, None, None
+        if grad_probs is not None:
+            grad_probs = grad_probs.to(ctx.probs_dtype)
+        return grad_tokens, grad_probs, None, None, None
 
 
-def dispatch_rows_mxfp8(tokens: torch.Tensor, transport: RowTransport, route: RouteMap):
-    """Token rows [T, H] -> (anchor [C, H], the MXFP8 payload, the payload's lease)."""
+def dispatch_rows_mxfp8(tokens: torch.Tensor, probs: torch.Tensor, transport: RowTransport, route: RouteMap):
+    """Token rows [T, H] and route probabilities [T, K] -> (anchor [C, H], each row's probability
+    [C] fp32, the MXFP8 payload, the payload's lease)."""
     mxfp8.check_hidden(tokens.shape[1])
     holder: list = []
-    anchor = _DispatchMXFP8Rows.apply(tokens, transport, route, holder)
+    anchor, row_probs = _DispatchMXFP8Rows.apply(tokens, probs, transport, route, holder)
     payload, lease = holder[0]
-    return anchor, payload, lease
+    return anchor, row_probs, payload, lease
 
 
 class _PayloadFc1(torch.autograd.Function):

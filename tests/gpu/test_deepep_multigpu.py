@@ -94,17 +94,18 @@ def _time_transfers(world, weights, x, g, iters=20):
         t, route = layer.token_dispatcher.transport, layer.token_dispatcher.route_map
         tokens = x.view(-1, x.shape[-1])
         probs = torch.rand(route.dest_row.shape, device="cuda")
-        buffer, lease = t.dispatch(tokens, route)
+        buffer, row_probs, lease = t.dispatch(tokens, probs, route)
+        buffer, row_probs = buffer.clone(), row_probs.clone()
         t.release(lease)
         grad_out = g.view(-1, g.shape[-1])
 
         def dispatch():
-            t.release(t.dispatch(tokens, route)[1])
+            t.release(t.dispatch(tokens, probs, route)[2])
 
         phases = {"dispatch": dispatch,
-                  "combine": lambda: t.combine(buffer, route, probs),
-                  "combine_backward": lambda: t.combine_backward(grad_out, route, probs),
-                  "dispatch_backward": lambda: t.dispatch_backward(buffer, route)}
+                  "combine": lambda: t.combine(buffer, route),
+                  "combine_backward": lambda: t.combine_backward(grad_out, route),
+                  "dispatch_backward": lambda: t.dispatch_backward(buffer, row_probs, route)}
         timings[transport] = {name: median(cuda_time_ms(fn, warmup=3, iters=iters)) for name, fn in phases.items()}
     return timings
 

@@ -75,12 +75,13 @@ def test_symm_dispatch_quantized_matches_torch_transport():
     route = single_rank_route(dest_rank, dest_row, capacity)
     x = tokens(1024, H, torch.bfloat16, seed=3)
     symm = SymmRowTransport(None, capacity, poison=True)
-    got, lease = symm.dispatch_quantized(x, route)
-    want, _ = TorchRowTransport(None, capacity).dispatch_quantized(x, route)
+    probs = torch.rand(1024, K, device="cuda")
+    got, got_probs, lease = symm.dispatch_quantized(x, probs, route)
+    want, want_probs, _ = TorchRowTransport(None, capacity).dispatch_quantized(x, probs, route)
     written = route.row_source >= 0
     assert got.dtype == torch.uint8 and got.shape == want.shape and not written.all()
-    assert torch.equal(got[written], want[written])
-    assert got[~written].view(torch.float32).isnan().all()
+    assert torch.equal(got[written], want[written]) and torch.equal(got_probs[written], want_probs[written])
+    assert got[~written].view(torch.float32).isnan().all() and got_probs[~written].isnan().all()
     symm.release(lease)
 
 

@@ -137,7 +137,8 @@ def _errors_rank(rank, world):
     with pytest.raises(TypeError, match="combine reduces torch.bfloat16 rows; this layer combines torch.float32"):
         exchange.combine(torch.zeros(16, 8), handle=None)
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
-        exchange.dispatch(torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.int64), 16)
+        exchange.dispatch(torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.int64),
+                          torch.zeros(4, 1), 16)
     fake_deep_ep.calls.clear()
     for row_bytes in (64, 32, 128, 64):  # created once, replaced once for the wider row (collective, in step)
         exchange.reserve(row_bytes)
@@ -151,7 +152,7 @@ def _errors_rank(rank, world):
         transports.group_in_one_host = original
     transport = DeepEPRowTransport(group, 16)
     with pytest.raises(RuntimeError, match="never dispatched"):
-        transport.dispatch_backward(torch.zeros(16, 8), object())
+        transport.dispatch_backward(torch.zeros(16, 8), torch.zeros(16), object())
 
 
 def test_deepep_transport_errors():

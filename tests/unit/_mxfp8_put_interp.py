@@ -83,16 +83,18 @@ def check_symm_transport() -> bool:
     tokens = torch.randn(T, H, dtype=torch.bfloat16)
     symm = SymmRowTransport(None, C, lease_slots=1, poison=True)
     ref = TorchRowTransport(None, C)
-    got, lease = symm.dispatch_quantized(tokens, route)
-    want, _ = ref.dispatch_quantized(tokens, route)
+    probs = torch.rand(T, K)
+    got, got_probs, lease = symm.dispatch_quantized(tokens, probs, route)
+    want, want_probs, _ = ref.dispatch_quantized(tokens, probs, route)
     written = route.row_source >= 0
     nan_row = torch.full((1,), float("nan")).view(torch.uint8)
     ok = got.dtype == torch.uint8 and got.shape == want.shape
     ok = ok and torch.equal(got[written], want[written]) and not want[~written].any()
     ok = ok and bool((got[~written].view(-1, 4) == nan_row).all())
+    ok = ok and torch.equal(got_probs[written], want_probs[written]) and bool(got_probs[~written].isnan().all())
     symm.release(lease)
-    _, payload_symm, _ = dispatch_rows_mxfp8(tokens, symm, route)
-    _, payload_ref, _ = dispatch_rows_mxfp8(tokens, ref, route)
+    _, _, payload_symm, _ = dispatch_rows_mxfp8(tokens, probs, symm, route)
+    _, _, payload_ref, _ = dispatch_rows_mxfp8(tokens, probs, ref, route)
     payload_symm, payload_ref = payload_symm.packed, payload_ref.packed
     ok = ok and torch.equal(payload_symm[written], payload_ref[written]) and symm.pool.live == 1
     print(f"{'ok  ' if ok else 'FAIL'} symm dispatch_quantized == torch_ref (EP=1)", flush=True)

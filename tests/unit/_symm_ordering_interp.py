@@ -106,25 +106,32 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
                     rmap = fused_route_map(top_idx, probs, num_experts, capacity, transport, rank)
                 else:
                     rmap = route(top_idx, num_experts, capacity, gather_counts=transport.gather_counts, ep_rank=rank)
-                slot, lease = transport.dispatch(tokens, rmap)
+                slot, slot_probs, lease = transport.dispatch(tokens, probs, rmap)
                 valid = (torch.arange(capacity) < rmap.recv_offsets[-1])[:, None]
-                rows_at_dispatch = slot.clone()
+                at_dispatch = (slot.clone(), slot_probs.clone())
                 wait()
-                out, _ = transport.combine(torch.where(valid, 2 * slot, slot), rmap, probs)
-                live[mb] = (rmap, lease, slot, valid, rows_at_dispatch, out.clone())
+                # "experts": 2 * p * row on the valid rows; the tail (NaN with poison) passes unread
+                out = transport.combine(torch.where(valid, 2 * slot_probs[:, None] * slot, slot), rmap)
+                live[mb] = (rmap, lease, slot, slot_probs, valid, at_dispatch, out.clone())
             else:
-                rmap, lease, slot, valid, rows_at_dispatch, out = live.pop(mb)
+                rmap, lease, slot, slot_probs, valid, at_dispatch, out = live.pop(mb)
                 top_idx, tokens, probs, grad_out = step_inputs(world, step, mb, rank)
                 kept = (rmap.dest_row >= 0).float()
                 dropped += int((rmap.dest_row < 0).sum())
                 weight = (kept * probs).sum(1, keepdim=True)
-                grad_rows = transport.combine_backward(grad_out, rmap, probs)
+                grad_rows = transport.combine_backward(grad_out, rmap)
                 wait()
-                grad_tokens = transport.dispatch_backward(torch.where(valid, 2 * grad_rows, 0.0), rmap)
+                # the "experts'" backward: d row = 2 * p * d out, d p = 2 * dot(d out, row)
+                grad_slot = torch.where(valid, 2 * slot_probs[:, None] * grad_rows, 0.0)
+                grad_slot_probs = torch.where(valid[:, 0], 2 * (grad_rows * slot).sum(1), 0.0)
+                grad_tokens, grad_probs = transport.dispatch_backward(grad_slot, grad_slot_probs, rmap)
                 checks = {
                     "output": (out, 2 * weight * tokens),
                     "token gradient": (grad_tokens, 2 * weight * grad_out),
-                    "leased rows at backward": (torch.where(valid, slot, 0), torch.where(valid, rows_at_dispatch, 0)),
+                    "probability gradient": (grad_probs, 2 * kept * (grad_out * tokens).sum(1, keepdim=True)),
+                    "leased rows at backward": (torch.where(valid, slot, 0), torch.where(valid, at_dispatch[0], 0)),
+                    "leased probabilities at backward": (torch.where(valid[:, 0], slot_probs, 0),
+                                                         torch.where(valid[:, 0], at_dispatch[1], 0)),
                 }
                 transport.release(lease)
                 for name, (got, want) in checks.items():
@@ -156,7 +163,7 @@ def main() -> int:
         from megatron_ext.moe import buffers
 
         def unfenced(buffer):
-            buffer.local.fill_(float("nan"))
+            buffers.poison(buffer)
         buffers.poison_then_fence = symm.poison_then_fence = unfenced
     bad = 0
     for name in (FUSED_CASES if args.fused_route_map else args.case or CASES):

@@ -43,11 +43,10 @@ def test_torch_transport_masks_a_corrupted_route_map():
                               "dest_row": torch.where(hit, -1, bad_row)})
     tokens, probs = torch.randn(10, 8, generator=gen), torch.rand(10, 2, generator=gen)
     transport = TorchRowTransport(None, capacity)
-    got, _ = transport.dispatch(tokens, bad)
-    want, _ = transport.dispatch(tokens, clean)
-    assert torch.equal(got, want)
-    expert_out = torch.randn(capacity, 8, generator=gen)
-    got_out, _ = transport.combine(expert_out, bad, probs)
-    want_out, _ = transport.combine(expert_out, clean, probs)
-    assert torch.equal(got_out, want_out)
-    assert torch.equal(transport.dispatch_backward(expert_out, bad), transport.dispatch_backward(expert_out, clean))
+    for got, want in zip(transport.dispatch(tokens, probs, bad)[:2], transport.dispatch(tokens, probs, clean)[:2]):
+        assert torch.equal(got, want)
+    expert_out, grad_row_probs = torch.randn(capacity, 8, generator=gen), torch.randn(capacity, generator=gen)
+    assert torch.equal(transport.combine(expert_out, bad), transport.combine(expert_out, clean))
+    for got, want in zip(transport.dispatch_backward(expert_out, grad_row_probs, bad),
+                         transport.dispatch_backward(expert_out, grad_row_probs, clean)):
+        assert torch.equal(got, want)

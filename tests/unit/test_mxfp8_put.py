@@ -47,13 +47,15 @@ def test_torch_transport_dispatch_quantized(dtype, hidden, poison):
     dest_rank, dest_row = random_routes(T, K, 1, C, drop=0.3, seed=hidden)
     route = single_rank_route(dest_rank, dest_row, C)
     tokens = (torch.randn(T, hidden) * 50).to(dtype)
-    buffer, lease = TorchRowTransport(None, C, poison_tail=poison).dispatch_quantized(tokens, route)
+    probs = torch.rand(T, K)
+    buffer, row_probs, lease = TorchRowTransport(None, C, poison_tail=poison).dispatch_quantized(tokens, probs, route)
     assert lease is None
     assert buffer.dtype == torch.uint8 and buffer.shape == (C, mxfp8.packed_row_bytes(hidden))
     packed = mxfp8.pack_rows(mxfp8.quantize_rows(tokens))
     token = torch.arange(T)[:, None].expand(T, K)
     kept = dest_row >= 0
     assert torch.equal(buffer[dest_row[kept].long()], packed[token[kept]])
+    assert torch.equal(row_probs[dest_row[kept].long()], probs[kept])
     tail = buffer[route.row_source < 0]
     assert tail.shape[0] > 0
     if poison:

@@ -2,7 +2,7 @@
 
 dispatch           get_dispatch_layout + dispatch(num_worst_tokens=C): a new handle per route map
 combine            combine(handle): each route's expert row back to its source token
-combine_backward   cached dispatch(handle) of prob-weighted output gradients
+combine_backward   cached dispatch(handle) of the output gradients
 dispatch_backward  combine(handle) of the buffer gradient, summed over k at the source
 Every DeepEP token is one kept route (DeepEP topk 1, its "expert" = the destination rank);
 deepep_layout.py orders the sends by destination row and maps DeepEP's receive order onto the
@@ -14,17 +14,18 @@ list and the host wait behind it: `num_worst_tokens = C` sizes every output stat
 (a rank never receives more than C kept routes), so dispatch, combine and their backward
 are CUDA-graph capturable. Vs the torch reference transport: only kept rows travel, with no
 zero-filled [M, C, H] blocks.
+Router probabilities travel as DeepEP's topk_weights: dispatch carries each route's probability
+to its row, and the dispatch backward's combine brings each row's probability gradient back.
 Costs accepted:
   - one DeepEP token per route, not per (token, rank): a token whose several experts share a
-    rank travels once per expert. The interface's prob gradient needs every route's expert
-    row at its source (`combine` returns [T, K, H]); DeepEP's native per-rank reduction would
-    need that gradient computed on the expert side instead (an interface change).
+    rank travels once per expert. Since the experts apply the probabilities, DeepEP's native
+    per-rank reduction could now sum a token's rows on the expert side (not done yet).
   - a [T*K, H] gather into send order at the source and a [C, H] permutation at the receiver
     per transfer (the symm transport writes rows in place), plus DeepEP's own NVLink buffer,
     shared by every layer of the EP group.
-  - probabilities are applied at the source, in fp32, after combine (as in the torch and symm
-    transports), so the numbers match the torch transport: combine of a single row per token
-    is exact in DeepEP's fp32 accumulator.
+  - combine sums a token's routes at the source in fp32 (as the torch and symm transports do),
+    so the numbers match the torch transport: combine of a single row per token is exact in
+    DeepEP's fp32 accumulator.
 MXFP8 payloads (dispatch_quantized) travel as packed 16-byte-aligned rows, bit-exact; DeepEP's
 own FP8 tuple format (E4M3 + per-128 fp32 scales) is not used.
 Limits of the real package (V1): combine reduces bf16 rows only (checked up front; a stand-in
@@ -85,29 +86,30 @@ class DeepEPExchange:
             self.row_bytes = row_bytes
         return self.buffer
 
-    def dispatch(self, send: torch.Tensor, send_rank: torch.Tensor, capacity: int):
-        """New layout: [N, H] rows, [N, 1] destination ranks (-1 nowhere) -> ([C, H] received, handle)."""
+    def dispatch(self, send: torch.Tensor, send_rank: torch.Tensor, send_weights: torch.Tensor, capacity: int):
+        """New layout: [N, H] rows, [N, 1] destination ranks (-1 nowhere) and [N, 1] fp32 weights (the
+        routes' probabilities, DeepEP's topk_weights) -> ([C, H] received, [C, 1] weights, handle)."""
         buffer = self._buffer_for(send)
         topk_idx = send_rank.to(self.index_dtype)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, self.num_ranks)
-        unused_weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=send.device)
-        received, _, _, _, handle, _ = buffer.dispatch(
+        received, _, received_weights, _, handle, _ = buffer.dispatch(
             send, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=unused_weights, num_worst_tokens=capacity)
-        return received, handle
+            topk_idx=topk_idx, topk_weights=send_weights, num_worst_tokens=capacity)
+        return received, received_weights, handle
 
     def dispatch_cached(self, send: torch.Tensor, handle, capacity: int) -> torch.Tensor:
         received, *_ = self._buffer_for(send).dispatch(send, handle=handle, num_worst_tokens=capacity)
         return received
 
-    def combine(self, rows: torch.Tensor, handle) -> torch.Tensor:
-        """[C, H] rows in received order -> [N, H] per source token, summed over the ranks it went to."""
+    def combine(self, rows: torch.Tensor, handle, weights: torch.Tensor | None = None):
+        """[C, H] rows in received order (and optionally [C, 1] fp32 weights, DeepEP's topk_weights) ->
+        ([N, H] per source token, summed over the ranks it went to; [N, 1] weights or None)."""
         if rows.dtype not in self.combine_dtypes:
             raise TypeError(f"DeepEP V1 combine reduces {', '.join(map(str, self.combine_dtypes))} rows; this "
                             f"layer combines {rows.dtype}. Train the MoE layers in bf16 "
                             f"(--bf16) or use --moe-ext-transport symm/torch")
-        combined, _, _ = self._buffer_for(rows).combine(rows, handle)
-        return combined
+        combined, combined_weights, _ = self._buffer_for(rows).combine(rows, handle, topk_weights=weights)
+        return combined, combined_weights
 
 
 class LocalExchange:
@@ -123,14 +125,14 @@ class LocalExchange:
     def reserve(self, row_bytes: int) -> None:
         pass
 
-    def dispatch(self, send, send_rank, capacity):
-        return self._fit(send, capacity), send.shape[0]
+    def dispatch(self, send, send_rank, send_weights, capacity):
+        return self._fit(send, capacity), self._fit(send_weights, capacity), send.shape[0]
 
     def dispatch_cached(self, send, handle, capacity):
         return self._fit(send, capacity)
 
-    def combine(self, rows, handle):
-        return self._fit(rows, handle)
+    def combine(self, rows, handle, weights=None):
+        return self._fit(rows, handle), None if weights is None else self._fit(weights, handle)
 
 
 _shared_exchanges: dict[int, DeepEPExchange] = {}
@@ -197,40 +199,45 @@ class DeepEPRowTransport:
         return state
 
     # The four transfers (transport/base.py); autograd owns every buffer, so no leases.
-    def dispatch(self, tokens: torch.Tensor, route: RouteMap):
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
         state = self._state(route)
         send = send_rows(tokens.contiguous(), state.layout)
-        received, state.handle = self.exchange.dispatch(send, state.layout.send_rank, self.capacity)
-        return place_received(received, state.layout, self.tail_value), None
+        send_probs = probs.float().reshape(-1).index_select(0, state.layout.send_route)[:, None]
+        received, received_probs, state.handle = self.exchange.dispatch(send, state.layout.send_rank, send_probs,
+                                                                        self.capacity)
+        rows = place_received(received, state.layout, self.tail_value)
+        return rows, place_received(received_probs, state.layout, self.tail_value)[:, 0], None
 
-    def dispatch_quantized(self, tokens: torch.Tensor, route: RouteMap):
+    def dispatch_quantized(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
         """MXFP8 rows: quantize and pack [T, H] tokens, dispatch the packed rows as float32 words
-        (DeepEP copies bytes: bit-exact). Returns (uint8 [C, packed_row_bytes(H)], None)."""
+        (DeepEP copies bytes: bit-exact). Returns (uint8 [C, packed_row_bytes(H)], probs [C], None)."""
         from megatron_ext.kernels.mxfp8_rows import quantize_packed
 
         self.exchange.reserve(tokens.shape[1] * tokens.element_size())  # combine rows, wider than packed
         packed = quantize_packed(tokens.contiguous())
-        buffer, lease = self.dispatch(packed.view(torch.float32), route)
-        return buffer.view(torch.uint8), lease
+        buffer, row_probs, lease = self.dispatch(packed.view(torch.float32), probs, route)
+        return buffer.view(torch.uint8), row_probs, lease
 
-    def combine(self, expert_out: torch.Tensor, route: RouteMap, probs: torch.Tensor):
+    def combine(self, expert_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         state = self._dispatched(route)
-        combined = self.exchange.combine(rows_to_return(expert_out, state.layout), state.handle)
-        gathered = returned_routes(combined, state.layout)  # [T, K, H]
-        out = (gathered.float() * probs[..., None].float()).sum(1)
-        return out.to(expert_out.dtype), gathered
+        combined, _ = self.exchange.combine(rows_to_return(expert_out, state.layout), state.handle)
+        return returned_routes(combined, state.layout).float().sum(1).to(expert_out.dtype)
 
-    def combine_backward(self, grad_out: torch.Tensor, route: RouteMap, probs: torch.Tensor) -> torch.Tensor:
+    def combine_backward(self, grad_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         state = self._dispatched(route)
-        weights = probs.float().reshape(-1).index_select(0, state.layout.send_route)
-        send = (send_rows(grad_out.contiguous(), state.layout).float() * weights[:, None]).to(grad_out.dtype)
-        received = self.exchange.dispatch_cached(send, state.handle, self.capacity)
+        received = self.exchange.dispatch_cached(send_rows(grad_out.contiguous(), state.layout), state.handle,
+                                                 self.capacity)
         return place_received(received, state.layout, self.tail_value)
 
-    def dispatch_backward(self, grad_buffer: torch.Tensor, route: RouteMap) -> torch.Tensor:
+    def dispatch_backward(self, grad_buffer: torch.Tensor, grad_row_probs: torch.Tensor | None, route: RouteMap):
         state = self._dispatched(route)
-        combined = self.exchange.combine(rows_to_return(grad_buffer, state.layout), state.handle)
-        return returned_routes(combined, state.layout).float().sum(1).to(grad_buffer.dtype)
+        weights = None if grad_row_probs is None else rows_to_return(grad_row_probs.float()[:, None], state.layout)
+        combined, combined_weights = self.exchange.combine(rows_to_return(grad_buffer, state.layout), state.handle,
+                                                           weights)
+        grad_tokens = returned_routes(combined, state.layout).float().sum(1).to(grad_buffer.dtype)
+        if grad_row_probs is None:
+            return grad_tokens, None
+        return grad_tokens, returned_routes(combined_weights, state.layout)[..., 0]
 
     def release(self, lease) -> None:
         pass

@@ -13,6 +13,10 @@ then barriers, so its readers see every row. A GET phase first copies its source
 barriers, then reads peers. A scratch buffer is rewritten only after the barrier of a later
 phase, which every rank reaches after finishing its reads of the previous phase. Debug poison
 of a buffer that peers PUT into is fenced before the PUT (buffers.poison_then_fence).
+Router probabilities ride with the rows (buffers.rows_with_values): the dispatch PUT also stores
+each kept route's probability at its row of the owner's [C] value array, the tail of the same
+leased allocation, and the dispatch-backward GET fetches each route's probability gradient from
+the same scratch. No phase and no barrier is added for them.
 
 The per-layer route-count exchange also runs over symmetric memory (`gather_counts`): each rank
 PUTs its [E] counts into row `rank` of every peer's [M, E] table, then barriers. No NCCL call is
@@ -29,7 +33,8 @@ import torch.distributed as dist
 
 from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
 from megatron_ext.kernels.row_transfer import copy_rows_below, get_rows, put_rows
-from megatron_ext.moe.buffers import LeasePool, SymmetricBuffer, SymmetricHeap, TorchSymmetricHeap, poison_then_fence
+from megatron_ext.moe.buffers import (LeasePool, SymmetricBuffer, SymmetricHeap, TorchSymmetricHeap, poison,
+                                     poison_then_fence, rows_with_values)
 from megatron_ext.formats.mxfp8 import packed_row_bytes
 from megatron_ext.moe.peer_failure import BarrierWatchdog
 from megatron_ext.moe.route_map import RouteMap
@@ -63,23 +68,33 @@ class SymmRowTransport:
         self.poison = poison
         self.pool: LeasePool | None = None
         self._local_tables: dict[str, torch.Tensor] = {}
+        self._values_scratch: dict[tuple, SymmetricBuffer] = {}
         self._counts: SymmetricBuffer | None = None
 
     def _ensure_buffers(self, row_width: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Dispatch slots hold payload rows (BF16 tokens, or packed MXFP8 viewed as float32)."""
+        """Dispatch slots hold payload rows (BF16 tokens, or packed MXFP8 viewed as float32) and,
+        after them in the same allocation, each row's router probability (buffers.rows_with_values)."""
         if self.pool is not None:
             local = self.pool.slots[0].local
             if local.shape[1] != row_width or local.dtype != dtype:
                 raise ValueError(f"this layer's dispatch buffers were allocated for rows of {local.shape[1]} "
                                  f"{local.dtype}, got {row_width} {dtype}: row size and dtype must stay fixed")
             return
-        shape = (self.capacity, row_width)
-        slots = [self.heap.allocate(shape, dtype, device) for _ in range(self.lease_slots)]
+        slots = [rows_with_values(self.heap, self.capacity, row_width, dtype, device)
+                 for _ in range(self.lease_slots)]
         self.pool = LeasePool(slots, poison=self.poison)
 
     def _scratch(self, role: str, rows_like: torch.Tensor):
         """Shared [C, H] scratch for BF16 rows shaped like `rows_like` (combine and backward)."""
         return self.heap.scratch(role, (self.capacity, rows_like.shape[1]), rows_like.dtype, rows_like.device)
+
+    def _scratch_with_values(self, role: str, rows_like: torch.Tensor) -> SymmetricBuffer:
+        """Shared scratch of [C, H] rows followed by [C] fp32 values (built once per layer and role)."""
+        key = (role, rows_like.shape[1], rows_like.dtype)
+        if key not in self._values_scratch:
+            self._values_scratch[key] = rows_with_values(self.heap, self.capacity, rows_like.shape[1],
+                                                         rows_like.dtype, rows_like.device, scratch_role=role)
+        return self._values_scratch[key]
 
     def _fence(self, buffer: SymmetricBuffer, phase: str) -> None:
         """The phase's barrier, bounded by the peer timeout and watched (no-op with one rank)."""
@@ -106,16 +121,19 @@ class SymmRowTransport:
         self._fence(self._counts, "route-count exchange")
         return self._counts.local.view(torch.int32)
 
-    def dispatch(self, tokens: torch.Tensor, route: RouteMap):
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
         self._ensure_buffers(tokens.shape[1], tokens.dtype, tokens.device)
         lease = self.pool.acquire()
-        put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table, capacity=self.capacity)
-        self._fence(lease.buffer, "dispatch")
-        return lease.buffer.local, lease
+        slot = lease.buffer
+        put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, slot.peer_table,
+                 route_values=probs.float().contiguous(), value_table=slot.values_table, capacity=self.capacity)
+        self._fence(slot, "dispatch")
+        return slot.local, slot.values, lease
 
-    def dispatch_quantized(self, tokens: torch.Tensor, route: RouteMap):
+    def dispatch_quantized(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
         """PUT of MXFP8 rows: tokens [T, H] bf16/fp32 are quantized inside the PUT kernel straight
-        into the leased slot (no packed staging tensor). Returns (uint8 [C, packed_row_bytes(H)], lease).
+        into the leased slot (no packed staging tensor). Returns (uint8 [C, packed_row_bytes(H)],
+        the rows' probabilities [C], lease).
 
         Slots are float32 [C, P/4] words (byte-viewed for the kernel and the caller), so the
         pool's NaN poisoning and the slot shape are those of dispatch(packed.view(float32)).
@@ -123,57 +141,66 @@ class SymmRowTransport:
         row_bytes = packed_row_bytes(tokens.shape[1])
         self._ensure_buffers(row_bytes // 4, torch.float32, tokens.device)
         lease = self.pool.acquire()
-        put_rows_mxfp8(tokens.contiguous(), route.dest_rank, route.dest_row, lease.buffer.peer_table,
+        slot = lease.buffer
+        put_rows_mxfp8(tokens.contiguous(), route.dest_rank, route.dest_row, slot.peer_table,
+                       route_values=probs.float().contiguous(), value_table=slot.values_table,
                        capacity=self.capacity)
-        self._fence(lease.buffer, "MXFP8 dispatch")
-        return lease.buffer.local.view(torch.uint8), lease
+        self._fence(slot, "MXFP8 dispatch")
+        return slot.local.view(torch.uint8), slot.values, lease
 
-    def combine(self, expert_out: torch.Tensor, route: RouteMap, probs: torch.Tensor):
+    def combine(self, expert_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         source = self._gather_source("combine_source", expert_out, route)
-        num_tokens, topk = route.dest_row.shape
-        out = torch.empty(num_tokens, expert_out.shape[1], dtype=expert_out.dtype, device=expert_out.device)
-        gathered = torch.empty(num_tokens, topk, expert_out.shape[1], dtype=expert_out.dtype,
-                               device=expert_out.device)
-        get_rows(source.peer_table, route.dest_rank, route.dest_row, out, probs.float().contiguous(), gathered,
-                 capacity=self.capacity)
-        return out, gathered
+        out = torch.empty(route.dest_row.shape[0], expert_out.shape[1], dtype=expert_out.dtype,
+                          device=expert_out.device)
+        return get_rows(source.peer_table, route.dest_rank, route.dest_row, out, capacity=self.capacity)
 
-    def combine_backward(self, grad_out: torch.Tensor, route: RouteMap, probs: torch.Tensor) -> torch.Tensor:
+    def combine_backward(self, grad_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         target = self._scratch("combine_grad", grad_out)
         if self.poison:  # peers PUT into this buffer next: fence the fill before them
             poison_then_fence(target)
-        put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, probs.float().contiguous(),
-                 capacity=self.capacity)
+        put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, capacity=self.capacity)
         self._fence(target, "combine backward")
         return target.local
 
-    def dispatch_backward(self, grad_buffer: torch.Tensor, route: RouteMap) -> torch.Tensor:
-        source = self._gather_source("dispatch_grad", grad_buffer, route)
-        out = torch.empty(route.dest_row.shape[0], grad_buffer.shape[1], dtype=grad_buffer.dtype,
-                          device=grad_buffer.device)
-        return get_rows(source.peer_table, route.dest_rank, route.dest_row, out, capacity=self.capacity)
+    def dispatch_backward(self, grad_buffer: torch.Tensor, grad_row_probs: torch.Tensor | None, route: RouteMap):
+        source = self._gather_source("dispatch_grad", grad_buffer, route, grad_row_probs)
+        num_tokens, topk = route.dest_row.shape
+        out = torch.empty(num_tokens, grad_buffer.shape[1], dtype=grad_buffer.dtype, device=grad_buffer.device)
+        grad_probs = None
+        if grad_row_probs is not None:
+            grad_probs = torch.empty(num_tokens, topk, dtype=torch.float32, device=grad_buffer.device)
+        get_rows(source.peer_table, route.dest_rank, route.dest_row, out, value_table=source.values_table,
+                 values_out=grad_probs, capacity=self.capacity)
+        return out, grad_probs
 
-    def _gather_source(self, role: str, rows: torch.Tensor, route: RouteMap):
-        """Copy this rank's received rows into the role's symmetric scratch and fence the group.
+    def _gather_source(self, role: str, rows: torch.Tensor, route: RouteMap, values: torch.Tensor | None = None):
+        """Copy this rank's received rows (and their per-row `values`, [C] fp32) into the role's
+        symmetric scratch and fence the group.
 
         Only the rows below route.recv_offsets[-1] are copied (a device count): peers' routes
         point at no other row, so the tail, up to C - received rows, is never read. With debug
         poison the tail holds NaN, so a read there would show. With one rank nobody else reads
-        them: point a one-entry table at `rows` instead (a fill_ kernel with the address as its
-        scalar: no copy, no host transfer, capturable).
+        them: point one-entry tables at `rows` and `values` instead (fill_ kernels with the
+        addresses as their scalars: no copy, no host transfer, capturable).
         """
         if self.world == 1:
-            table = self._local_tables.get(role)
-            if table is None:
-                table = self._local_tables[role] = torch.empty(1, dtype=torch.int64, device=rows.device)
-            table.fill_(rows.data_ptr())
-            return SymmetricBuffer(rows, table)
-        source = self._scratch(role, rows)
+            rows_table = self._local_table(role, rows)
+            values_table = None if values is None else self._local_table(role + " values", values)
+            return SymmetricBuffer(rows, rows_table, values=values, values_table=values_table)
+        source = self._scratch(role, rows) if values is None else self._scratch_with_values(role, rows)
         if self.poison:  # written in the same window as the copy: the previous readers passed a barrier
-            source.local.fill_(float("nan"))
-        copy_rows_below(rows, source.local, route.recv_offsets[-1:])
+            poison(source)
+        copy_rows_below(rows, source.local, route.recv_offsets[-1:],
+                        None if values is None else (values, source.values))
         self._fence(source, _PHASE_OF_ROLE[role])
         return source
+
+    def _local_table(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A one-entry device table of `tensor`'s address (EP=1: the GET reads the local tensor)."""
+        table = self._local_tables.get(role)
+        if table is None:
+            table = self._local_tables[role] = torch.empty(1, dtype=torch.int64, device=tensor.device)
+        return table.fill_(tensor.data_ptr())
 
     def release(self, lease) -> None:
         if lease is not None:

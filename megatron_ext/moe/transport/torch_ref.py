@@ -37,26 +37,41 @@ class TorchRowTransport:
         return recv
 
     # The four transfers (transport/base.py); autograd owns every buffer, so no leases.
-    def dispatch(self, tokens, route):
-        return self._put(tokens, route, phase="dispatch"), None
+    def dispatch(self, tokens, probs, route):
+        rows = self._put(self._per_route(tokens, route), route, phase="dispatch")
+        return rows, self._put_probs(probs, route), None
 
-    def dispatch_quantized(self, tokens, route):
+    def dispatch_quantized(self, tokens, probs, route):
         """MXFP8 rows: quantize and pack [T, H] tokens, then the same PUT on the packed rows viewed
-        as float32 words (bit-exact: no arithmetic on them). Returns (uint8 [C, P], None)."""
-        packed = quantize_packed(tokens.contiguous())
-        return self._put(packed.view(torch.float32), route, phase="MXFP8 dispatch").view(torch.uint8), None
+        as float32 words (bit-exact: no arithmetic on them). Returns (uint8 [C, P], probs [C], None)."""
+        packed = quantize_packed(tokens.contiguous()).view(torch.float32)
+        rows = self._put(self._per_route(packed, route), route, phase="MXFP8 dispatch")
+        return rows.view(torch.uint8), self._put_probs(probs, route), None
 
-    def combine(self, expert_out, route, probs):
-        return self._get(expert_out, route, weights=probs, keep_gathered=True, phase="combine")
+    def combine(self, expert_out, route):
+        return self._get(expert_out, route, phase="combine").float().sum(1).to(expert_out.dtype)
 
-    def combine_backward(self, grad_out, route, probs):
-        return self._put(grad_out, route, row_scale=probs, phase="combine backward")
+    def combine_backward(self, grad_out, route):
+        return self._put(self._per_route(grad_out, route), route, phase="combine backward")
 
-    def dispatch_backward(self, grad_buffer, route):
-        return self._get(grad_buffer, route, phase="dispatch backward")[0]
+    def dispatch_backward(self, grad_buffer, grad_row_probs, route):
+        grad_tokens = self._get(grad_buffer, route, phase="dispatch backward").float().sum(1).to(grad_buffer.dtype)
+        if grad_row_probs is None:
+            return grad_tokens, None
+        grad_probs = self._get(grad_row_probs.float()[:, None], route, phase="dispatch backward (probabilities)")
+        return grad_tokens, grad_probs[..., 0]
 
     def release(self, lease) -> None:
         pass
+
+    @staticmethod
+    def _per_route(rows: torch.Tensor, route: RouteMap) -> torch.Tensor:
+        """[T, W] token rows -> [T, K, W]: every route of a token sends the token's row (a view)."""
+        return rows[:, None, :].expand(rows.shape[0], route.dest_row.shape[1], rows.shape[1])
+
+    def _put_probs(self, probs: torch.Tensor, route: RouteMap) -> torch.Tensor:
+        """Each kept route's probability at its row of the owner's [C] fp32 array (a second exchange)."""
+        return self._put(probs.float()[..., None], route, phase="dispatch (probabilities)")[:, 0]
 
     def _in_range(self, route: RouteMap) -> torch.Tensor:
         """[T, K] routes that are kept and inside [0, M) x [0, C): the others move nothing (as the
@@ -64,38 +79,29 @@ class TorchRowTransport:
         rank, row = route.dest_rank, route.dest_row
         return (rank >= 0) & (rank < self.size) & (row >= 0) & (row < self.capacity)
 
-    def _put(self, src: torch.Tensor, route: RouteMap, row_scale: torch.Tensor | None = None,
-             phase: str = "dispatch") -> torch.Tensor:
-        num_tokens, topk = route.dest_row.shape
-        hidden, blocks = src.shape[1], self.size * self.capacity
-        rows = src[:, None, :].expand(num_tokens, topk, hidden)
-        if row_scale is not None:
-            rows = (rows.float() * row_scale[..., None].float()).to(src.dtype)
+    def _put(self, rows: torch.Tensor, route: RouteMap, phase: str = "dispatch") -> torch.Tensor:
+        """[T, K, W] per-route rows -> this rank's [C, W] buffer: row dest_row of rank dest_rank."""
+        width, blocks = rows.shape[2], self.size * self.capacity
         kept = self._in_range(route)
         slot = torch.where(kept, route.dest_rank.long() * self.capacity + route.dest_row.long(), blocks)
-        send = src.new_zeros(blocks + 1, hidden)  # last row: sink for dropped and out-of-range routes
-        send.index_copy_(0, slot.reshape(-1), rows.reshape(-1, hidden))
+        send = rows.new_zeros(blocks + 1, width)  # last row: sink for dropped and out-of-range routes
+        send.index_copy_(0, slot.reshape(-1), rows.reshape(-1, width))
         recv = self._exchange(send[:blocks], phase)
         owner = route.row_source.long()
-        rows_here = torch.arange(self.capacity, device=src.device)
+        rows_here = torch.arange(self.capacity, device=rows.device)
         buf = recv[owner.clamp(min=0) * self.capacity + rows_here]
         tail_value = float("nan") if self.poison_tail else 0.0
         return torch.where((owner >= 0)[:, None], buf, tail_value)
 
-    def _get(self, buf: torch.Tensor, route: RouteMap, weights: torch.Tensor | None = None,
-             keep_gathered: bool = False, phase: str = "combine") -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden, blocks = buf.shape[1], self.size * self.capacity
+    def _get(self, buf: torch.Tensor, route: RouteMap, phase: str = "combine") -> torch.Tensor:
+        """This rank's [C, W] buffer -> [T, K, W]: each route's row from its owner, zero if dropped."""
+        width, blocks = buf.shape[1], self.size * self.capacity
         owner = route.row_source.long()
         rows_here = torch.arange(self.capacity, device=buf.device)
         slot = torch.where(owner >= 0, owner * self.capacity + rows_here, blocks)
-        send = buf.new_zeros(blocks + 1, hidden)
+        send = buf.new_zeros(blocks + 1, width)
         send.index_copy_(0, slot, buf)  # tail rows go to the sink row, never on the wire
-        recv = torch.cat([self._exchange(send[:blocks], phase), buf.new_zeros(1, hidden)])
+        recv = torch.cat([self._exchange(send[:blocks], phase), buf.new_zeros(1, width)])
         kept = self._in_range(route)
         source_slot = torch.where(kept, route.dest_rank.long() * self.capacity + route.dest_row.long(), blocks)
-        gathered = recv[source_slot]  # [T, K, H], zero rows for dropped routes
-        if weights is None:
-            out = gathered.float().sum(1)
-        else:
-            out = (gathered.float() * weights[..., None].float()).sum(1)
-        return out.to(buf.dtype), (gathered if keep_gathered else None)
+        return recv[source_slot]
