@@ -14,7 +14,8 @@ tokens only), peak memory above baseline, blocking CUDA calls per step (profiler
 submission ms per layer step, and the measured dense bf16 GEMM rate for the same FLOPs.
 Host submission drifts with the lent host; `--host-ab rowwise_symm,rowwise_symm_megatron_router
 --host-rounds 5` also times the named paths in turns, all alive at once, and reports each one's
-ratio to the first path (the figure to compare host changes by). `--host-census rowwise_symm` times
+ratio to the first path (the figure to compare host changes by); `--device-ab` does the same for
+device time, so eager and graphed are compared on the same clocks. `--host-census rowwise_symm` times
 the layer's own functions inside the step (an op costs several times more there than in a loop).
 
     python tools/bench_moe_layer.py [--tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
@@ -137,21 +138,26 @@ def measure(path, args, weights, x, grad_out, flops):
     return result
 
 
-def host_ab_ms(args, weights, x, grad_out) -> dict:
-    """Host submission of the --host-ab paths, measured in turns (measurement.interleaved_host_ms)."""
-    from megatron_ext.bench.measurement import interleaved_host_ms
+def interleaved_ab(args, weights, x, grad_out, paths: str, device: bool) -> dict:
+    """Host submission (`device=False`, --host-ab) or device time (`device=True`, --device-ab) of
+    `paths`, all layers alive and graph paths captured, measured in turns (measurement.interleaved_ms)."""
+    from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, interleaved_ms
+    from megatron_ext.host_sync import capture_replay
 
-    layers = {path: build(path, args, weights) for path in args.host_ab.split(",")}
-    steps = {path: make_step(layer, x, grad_out) for path, layer in layers.items()}
+    steps = {}
+    for path in paths.split(","):
+        step = make_step(build(path, args, weights), x, grad_out)
+        steps[path] = capture_replay(step)[0].replay if path.endswith("_graph") else step
     for step in steps.values():
         step()
-    result = interleaved_host_ms(steps, rounds=args.host_rounds, iters=args.iters)
+    rounds = args.device_rounds if device else args.host_rounds
+    result = interleaved_ms(steps, rounds=rounds, iters=args.iters, timer=cuda_time_ms if device else host_time_ms)
     first = next(iter(steps))
     for path, figures in result.items():
         spread = f"{figures['min_ms']:.3f}..{figures['max_ms']:.3f}"
-        print(f"  host A/B: {path:30s} {figures['median_ms']:7.3f} ms ({spread})"
+        print(f"  {'device' if device else 'host'} A/B: {path:30s} {figures['median_ms']:7.3f} ms ({spread})"
               f"  x{figures['ratio_to_' + first]:.3f} of {first}", flush=True)
-    del steps, layers
+    del steps
     torch.cuda.empty_cache()
     return result
 
@@ -181,6 +187,10 @@ def main():
                         help="comma-separated paths whose host submission is also measured in turns, all "
                              "layers alive, over --host-rounds rounds (ratios to the first path per round)")
     parser.add_argument("--host-rounds", type=int, default=5)
+    parser.add_argument("--device-ab", default="",
+                        help="comma-separated paths whose device time (fwd+bwd) is also measured in turns, all "
+                             "layers alive, over --device-rounds rounds (ratios to the first path per round)")
+    parser.add_argument("--device-rounds", type=int, default=7)
     args = parser.parse_args()
     require_cuda("tools/bench_moe_layer.py")
     init_single_rank_megatron()
@@ -217,7 +227,12 @@ def main():
             print(f"  kernel: {kernel['ms_per_iter']:7.3f} ms x{kernel['calls_per_iter']:.0f} {kernel['name'][:110]}")
         listed = ("kernels", "host_hotspots", "host_cumulative", "host_phases_ms", "backward_nodes", "host_census")
         print({k: v for k, v in rows[-1].items() if k not in listed}, flush=True)
-    host_ab = host_ab_ms(args, weights, x, grad_out) if args.host_ab else None
+    host_ab = interleaved_ab(args, weights, x, grad_out, args.host_ab, device=False) if args.host_ab else None
+    device_ab = interleaved_ab(args, weights, x, grad_out, args.device_ab, device=True) if args.device_ab else None
+    if device_ab:
+        for path, figures in device_ab.items():
+            figures["pct_dense_gemm"] = 100 * flops / figures["median_ms"] / 1e9 / dense
+            print(f"  device A/B: {path:30s} {figures['pct_dense_gemm']:5.1f}% of the dense GEMM rate (median)")
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
           f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")
@@ -234,7 +249,7 @@ def main():
         print(f"{r['path']:22s} {r['fwd_bwd_ms']:10.2f} {r['tflops']:8.0f} {r['pct_dense_gemm']:6.0f}% {speed:>8s} "
               f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f}")
     path = write_result(args.name, {"args": vars(args), "dense_gemm_tflops": dense, "host_unit_costs_us": unit_costs,
-                                         "rows": rows, "host_ab": host_ab})
+                                         "rows": rows, "host_ab": host_ab, "device_ab": device_ab})
     print(f"wrote {path}")
 
 

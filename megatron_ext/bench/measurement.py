@@ -3,7 +3,7 @@
 `cuda_time_ms`: device time per iteration from CUDA events, after warm-up; `host_time_ms`:
 Python submission time per iteration, no synchronization inside the timed region; on a machine
 without CUDA both fall back to wall time so the CPU-capable tools can be smoke-run there.
-`interleaved_host_ms`: host time of several steps in turns (an A/B that host drift cannot bias);
+`interleaved_ms`: host or device time of several steps in turns (an A/B that drift cannot bias);
 `peak_memory`: the highest allocation during one call; `make_step`: the forward+backward a
 layer benchmark times.
 """
@@ -62,19 +62,21 @@ def host_time_ms(fn: Callable[[], object], warmup: int, iters: int) -> list[floa
     return times
 
 
-def interleaved_host_ms(steps: dict[str, Callable[[], object]], rounds: int, iters: int) -> dict[str, dict]:
-    """Host submission time of several steps measured in turns: each round times every step
-    (`host_time_ms`, median of `iters`) one after another, so a host whose speed drifts (lent
-    machines do, by tens of percent within minutes) charges the drift to every step alike.
-    Returns per step: the median over rounds, min..max, and the median over rounds of its ratio
-    to the first step of the same round (the A/B figure)."""
+def interleaved_ms(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
+                   timer: Callable = host_time_ms) -> dict[str, dict]:
+    """Several steps timed in turns: each round times every step (`timer`, median of `iters`)
+    one after another, so a machine whose speed drifts (lent hosts do, by tens of percent within
+    minutes; a GPU's clocks follow its temperature) charges the drift to every step alike.
+    `timer`: host_time_ms (submission) or cuda_time_ms (device). Returns per step: the median
+    over rounds, min..max, and the median over rounds of its ratio to the first step of the
+    same round (the A/B figure)."""
     if rounds < 1 or iters < 1:
         raise ValueError(f"rounds and iters must be >= 1, got {rounds} and {iters}")
     names = list(steps)
     per_round = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
-            per_round[name].append(median(host_time_ms(steps[name], warmup=1, iters=iters)))
+            per_round[name].append(median(timer(steps[name], warmup=1, iters=iters)))
     first = per_round[names[0]]
     return {name: {"median_ms": median(times), "min_ms": min(times), "max_ms": max(times), "rounds": rounds,
                    f"ratio_to_{names[0]}": median(t / f for t, f in zip(times, first))}

@@ -84,12 +84,12 @@ def test_repo_paths_resolve_to_this_checkout():
     assert (repo_paths.REPO_ROOT / "examples" / "pretrain_gpt.py").is_file()
 
 
-def test_interleaved_host_ms_charges_host_drift_to_every_step():
+def test_interleaved_ms_charges_host_drift_to_every_step():
     """Two steps, B twice A's cost, on a 'host' that gets slower every round: the absolute times
     drift, the A/B ratio does not, and the steps were timed in turns."""
     import time
 
-    from megatron_ext.bench.measurement import interleaved_host_ms
+    from megatron_ext.bench.measurement import interleaved_ms
 
     calls, slowdown = [], [1.0]
 
@@ -108,17 +108,17 @@ def test_interleaved_host_ms_charges_host_drift_to_every_step():
             slowdown[0] *= 1.5
         a()
 
-    result = interleaved_host_ms({"a": drift_then_a, "b": b}, rounds=3, iters=2)
+    result = interleaved_ms({"a": drift_then_a, "b": b}, rounds=3, iters=2)
     assert calls == (["a"] * 3 + ["b"] * 3) * 3, "timed in turns, one round after another"
     assert result["a"]["rounds"] == 3 and result["a"]["ratio_to_a"] == 1.0
     assert result["b"]["max_ms"] > 1.8 * result["b"]["min_ms"], "the host drifted"
     assert 1.5 < result["b"]["ratio_to_a"] < 2.7, result["b"]
 
 
-def test_interleaved_host_ms_refuses_no_rounds():
+def test_interleaved_ms_refuses_no_rounds():
     import pytest
 
-    from megatron_ext.bench.measurement import interleaved_host_ms
+    from megatron_ext.bench.measurement import interleaved_ms
 
     with pytest.raises(ValueError, match="rounds and iters must be >= 1, got 0 and 3"):
-        interleaved_host_ms({"a": lambda: None}, rounds=0, iters=3)
+        interleaved_ms({"a": lambda: None}, rounds=0, iters=3)
