@@ -38,3 +38,25 @@ def test_single_rank_peer_table_points_at_the_local_buffer():
     buf = allocate_symmetric((4, 8), torch.float32, torch.device("cpu"), None)
     assert buf.peer_table.dtype == torch.int64 and buf.peer_table.tolist() == [buf.local.data_ptr()]
     buf.barrier()  # no-op with one rank
+
+
+@pytest.mark.parametrize("width, dtype", [(13, torch.bfloat16), (8, torch.float32), (5, torch.float16)])
+def test_rows_with_values_share_one_allocation_without_overlap(width, dtype):
+    """Rows then per-row fp32 values in one allocation: the values start 16-byte aligned after the
+    rows, the value table points at them, writing one never touches the other, and a poisoned
+    slot has NaN in both."""
+    from megatron_ext.moe.buffers import TorchSymmetricHeap, rows_with_values
+
+    capacity = 7
+    slot = rows_with_values(TorchSymmetricHeap(None), capacity, width, dtype, torch.device("cpu"))
+    assert slot.local.shape == (capacity, width) and slot.local.dtype == dtype
+    assert slot.values.shape == (capacity,) and slot.values.dtype == torch.float32
+    values_at = slot.values.data_ptr() - slot.local.data_ptr()
+    assert values_at % 16 == 0 and values_at >= slot.local.nbytes
+    assert int(slot.values_table[0]) == slot.values.data_ptr() and int(slot.peer_table[0]) == slot.local.data_ptr()
+    slot.local.fill_(3.0)
+    slot.values.fill_(-1.0)
+    assert bool((slot.local == 3.0).all()) and bool((slot.values == -1.0).all())
+    pool = LeasePool([slot], poison=True)
+    pool.acquire()
+    assert slot.local.isnan().all() and slot.values.isnan().all()

@@ -138,3 +138,42 @@ def test_copy_rows_below_refuses_bad_arguments(dst_shape, bound, match):
 
     with pytest.raises(ValueError, match=match):
         copy_rows_below(torch.zeros(5, 8), torch.zeros(dst_shape), bound)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("values_without_table", ValueError, "need both the values and value_table"),
+    ("table_without_values", ValueError, "need both the values and value_table"),
+    ("table_int32", TypeError, "value_table must be int64"),
+    ("table_length", TypeError, "value_table must be int64 \\(2,\\)"),
+    ("values_dtype", TypeError, "route_values must be float32"),
+])
+def test_put_rows_rejects_bad_route_values(case, error, match):
+    src, dest_rank, dest_row, table = put_arguments("ok", hidden=8)
+    values, value_table = torch.ones(3, 2), torch.zeros(2, dtype=torch.int64)
+    if case == "values_without_table":
+        value_table = None
+    elif case == "table_without_values":
+        values = None
+    elif case == "table_int32":
+        value_table = value_table.int()
+    elif case == "table_length":
+        value_table = torch.zeros(3, dtype=torch.int64)
+    elif case == "values_dtype":
+        values = values.double()
+    with pytest.raises(error, match=match):
+        put_rows(src, dest_rank, dest_row, table, route_values=values, value_table=value_table)
+
+
+def test_get_rows_and_copy_rows_below_reject_bad_values():
+    from megatron_ext.kernels.row_transfer import copy_rows_below
+
+    dest_rank, dest_row = _routes()
+    with pytest.raises(ValueError, match="need both the values and value_table"):
+        get_rows(torch.zeros(2, dtype=torch.int64), dest_rank, dest_row, torch.zeros(3, 8),
+                 values_out=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="values_out must be"):
+        get_rows(torch.zeros(2, dtype=torch.int64), dest_rank, dest_row, torch.zeros(3, 8),
+                 value_table=torch.zeros(2, dtype=torch.int64), values_out=torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="values_dst must be a contiguous float32 \\[5\\]"):
+        copy_rows_below(torch.zeros(5, 8), torch.zeros(5, 8), torch.tensor([3], dtype=torch.int32),
+                        values=(torch.zeros(5), torch.zeros(5, dtype=torch.float64)))
