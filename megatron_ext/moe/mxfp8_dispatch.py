@@ -32,7 +32,7 @@ import torch
 from megatron_ext.formats import mxfp8
 from megatron_ext.kernels.mxfp8_rows import dequantize_packed
 from megatron_ext.moe.route_map import RouteMap
-from megatron_ext.moe.row_autograd import detached_alias
+from megatron_ext.moe.row_autograd import detached_alias, dispatch_backward
 from megatron_ext.moe.transport.base import RowTransport
 
 
@@ -61,15 +61,8 @@ class _DispatchMXFP8Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_buffer, grad_row_probs):
-        if not ctx.needs_input_grad[1]:
-            grad_row_probs = None
-        elif grad_row_probs is not None:
-            grad_row_probs = grad_row_probs.float().contiguous()
-        grad_tokens, grad_probs = ctx.transport.dispatch_backward(grad_buffer.contiguous(), grad_row_probs, ctx.route)
-        ctx.transport.release(ctx.lease)  # the up-projection's Wgrad, the payload's last reader, ran
-        if grad_probs is not None:
-            grad_probs = grad_probs.to(ctx.probs_dtype)
-        return grad_tokens, grad_probs, None, None, None
+        grad_tokens, grad_probs = dispatch_backward(ctx, grad_buffer, grad_row_probs)  # the payload's last
+        return grad_tokens, grad_probs, None, None, None  # reader, the up-projection's Wgrad, ran
 
 
 def dispatch_rows_mxfp8(tokens: torch.Tensor, probs: torch.Tensor, transport: RowTransport, route: RouteMap):

@@ -39,15 +39,23 @@ class _DispatchRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_buffer, grad_row_probs):
-        if not ctx.needs_input_grad[1]:
-            grad_row_probs = None
-        elif grad_row_probs is not None:
-            grad_row_probs = grad_row_probs.float().contiguous()
-        grad_tokens, grad_probs = ctx.transport.dispatch_backward(grad_buffer.contiguous(), grad_row_probs, ctx.route)
-        ctx.transport.release(ctx.lease)  # the up-projection's Wgrad, its last reader, has run
-        if grad_probs is not None:
-            grad_probs = grad_probs.to(ctx.probs_dtype)
+        grad_tokens, grad_probs = dispatch_backward(ctx, grad_buffer, grad_row_probs)
         return grad_tokens.view(ctx.token_shape), grad_probs, None, None, None
+
+
+def dispatch_backward(ctx, grad_buffer, grad_row_probs):
+    """The GET of a dispatch node's backward (BF16 or MXFP8 rows alike): (grad tokens [T, H], grad
+    probs [T, K] in the probabilities' dtype, or None when they need none), then the slot's
+    release. `ctx` holds transport, route, lease and probs_dtype; input 1 is the probabilities."""
+    if not ctx.needs_input_grad[1]:
+        grad_row_probs = None
+    elif grad_row_probs is not None:
+        grad_row_probs = grad_row_probs.float().contiguous()
+    grad_tokens, grad_probs = ctx.transport.dispatch_backward(grad_buffer.contiguous(), grad_row_probs, ctx.route)
+    ctx.transport.release(ctx.lease)  # the up-projection's Wgrad and the activation's backward have run
+    if grad_probs is not None:
+        grad_probs = grad_probs.to(ctx.probs_dtype)
+    return grad_tokens, grad_probs
 
 
 class _CombineRows(torch.autograd.Function):
