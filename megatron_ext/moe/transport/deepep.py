@@ -1,9 +1,11 @@
 """DeepEP row transport: the four transfers through DeepEP V1's intranode `deep_ep.Buffer`.
 
-dispatch           get_dispatch_layout + dispatch(num_worst_tokens=C): a new handle per route map
+dispatch           get_dispatch_layout + dispatch(num_worst_tokens=C), probabilities as topk_weights:
+                   a new handle per route map
 combine            combine(handle): each route's expert row back to its source token
 combine_backward   cached dispatch(handle) of the output gradients
-dispatch_backward  combine(handle) of the buffer gradient, summed over k at the source
+dispatch_backward  combine(handle) of the buffer gradient (summed over k at the source) and of the
+                   rows' probability gradients (as topk_weights)
 Every DeepEP token is one kept route (DeepEP topk 1, its "expert" = the destination rank);
 deepep_layout.py orders the sends by destination row and maps DeepEP's receive order onto the
 extension's expert-major capacity buffer, so the same device-offset experts read it and the
