@@ -75,6 +75,28 @@ def test_get_rows_matches_reference(dtype, T, K, H, M):
         torch.testing.assert_close(out32, out32_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_route_values_travel_with_rows_and_come_back():
+    """The product's form of the transfers: each kept route's probability lands at its row of the
+    owner's [C] array with the PUT, and the GET fetches each route's value back (0 if dropped)."""
+    T, K, H, M, dtype = 4096, 8, 2048, 4, torch.bfloat16
+    C, dest_rank, dest_row, src, probs = _setup(T, K, H, M, dtype, seed=5)
+    rows = [torch.full((C, H), float("nan"), dtype=dtype, device="cuda") for _ in range(M)]
+    values = [torch.full((C, 1), float("nan"), device="cuda") for _ in range(M)]
+    row_table, value_table = peer_table_from_buffers(rows), peer_table_from_buffers(values)
+    put_rows(src, dest_rank, dest_row, row_table, route_values=probs, value_table=value_table, capacity=C)
+    for m in range(M):
+        targeted = _targeted(dest_rank, dest_row, m, C)
+        mine = (dest_rank == m) & (dest_row >= 0)
+        expected = torch.full((C,), float("nan"), device="cuda")
+        expected[dest_row[mine].long()] = probs[mine]
+        torch.testing.assert_close(values[m][:, 0], expected, rtol=0, atol=0, equal_nan=True)
+        assert values[m][~targeted].isnan().all()
+    out = torch.empty(T, H, dtype=dtype, device="cuda")
+    fetched = torch.full((T, K), float("nan"), device="cuda")
+    get_rows(row_table, dest_rank, dest_row, out, value_table=value_table, values_out=fetched, capacity=C)
+    assert torch.equal(fetched, torch.where(dest_row >= 0, probs, 0.0))
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_transfers_capture_in_cuda_graph(impl):
     """Capturing proves no host synchronization; replaying with new inputs proves nothing was baked in."""
