@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.kernels.row_transfer import _check_common, _check_runnable, _check_value_table, _require, _row_bound
+from megatron_ext.kernels.row_checks import check_common, check_runnable, check_value_table, require, row_bound
 from megatron_ext.formats.mxfp8 import check_input_rows, packed_row_bytes
 
 try:
@@ -84,13 +84,13 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
     kept route; dropped routes (-1) and routes outside [0, M) x [0, capacity) write nothing. Bytes equal
     ``pack_rows(quantize_rows(src))``. `route_values` / `value_table`: as in row_transfer.put_rows."""
     op = "put_rows_mxfp8"
-    T, K, H = _check_common(op, src, dest_rank, dest_row, peer_table, (("route_values", route_values),))
-    _check_value_table(op, value_table, peer_table, route_values)
+    T, K, H = check_common(op, src, dest_rank, dest_row, peer_table, (("route_values", route_values),))
+    check_value_table(op, value_table, peer_table, route_values)
     try:
         n_blocks = check_input_rows(src)
     except (TypeError, ValueError) as err:
         raise type(err)(f"{op}: {err}") from None
-    _check_runnable(op, src)
+    check_runnable(op, src)
     if T == 0 or K == 0:
         return
     if blocks_per_program is None:  # >= 4 values per thread (mxfp8_quant.MIN_ELEMENTS_PER_THREAD)
@@ -98,14 +98,14 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
                                  MAX_BLOCKS_PER_PROGRAM)
     if num_warps is None:
         num_warps = max(1, min(NUM_WARPS, blocks_per_program // mxfp8_quant.MIN_ELEMENTS_PER_THREAD))
-    _require(blocks_per_program > 0 and blocks_per_program & (blocks_per_program - 1) == 0,
+    require(blocks_per_program > 0 and blocks_per_program & (blocks_per_program - 1) == 0,
              f"{op}: blocks_per_program must be a power of two, got {blocks_per_program}")
     if src.is_cuda:  # the interpreter has no warps
         mxfp8_quant.check_tile_elements(blocks_per_program * 32, num_warps, op)
     bits = src.view(torch.int16) if src.dtype == torch.bfloat16 else src.view(torch.int32)
     _put_rows_mxfp8_kernel[(T,)](
         bits, dest_rank, dest_row, peer_table, route_values if route_values is not None else bits,
-        value_table if value_table is not None else peer_table, peer_table.numel(), _row_bound(capacity), H, K,
+        value_table if value_table is not None else peer_table, peer_table.numel(), row_bound(capacity), H, K,
         packed_row_bytes(H), INPUT_BF16=src.dtype == torch.bfloat16,
         NATIVE_FP8_CAST=src.is_cuda and mxfp8_quant.NATIVE_FP8_CAST_ON_GPU, HAS_VALUES=route_values is not None,
         BLOCKS=blocks_per_program, num_warps=num_warps,

@@ -29,9 +29,11 @@ which unrolls the K routes so their row addresses and loads are independent.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_runnable,
+                                             check_value_table, layout, require, row_bound)
 
 try:
     import triton
@@ -39,7 +41,6 @@ try:
 except ImportError:  # CPU-only torch without Triton: use row_transfer_ref instead
     triton = None
 
-_BUFFER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _VECTOR_BYTES = 16  # one 128-bit load/store per thread and step
 
 
@@ -175,83 +176,6 @@ if triton is not None:
                 tl.store(values_dst_ptr + row, tl.load(values_src_ptr + row))
 
 
-_NO_ROW_BOUND = 2**31 - 1
-
-
-def _row_bound(capacity: int | None) -> int:
-    """The kernels' exclusive upper bound on dest_row (int32 range when the caller gives none)."""
-    if capacity is None:
-        return _NO_ROW_BOUND
-    _require(isinstance(capacity, int) and 0 <= capacity <= _NO_ROW_BOUND,
-             f"capacity must be an int in [0, 2^31), got {capacity!r}")
-    return capacity
-
-
-def _require(cond: bool, message: str, error=ValueError) -> None:
-    if not cond:
-        raise error(message)
-
-
-_VALIDATED: set = set()  # argument layouts already checked: the hot path re-checks nothing
-
-
-def _layout(t):
-    return None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous())
-
-
-def _check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
-    """Shape/dtype/layout checks shared by put_rows and get_rows; returns (T, K, H).
-
-    A layout that passed once is remembered, so a training step (same shapes every call)
-    pays a tuple lookup instead of ~20 checks per kernel launch.
-    """
-    key = (op, _layout(rows_like), _layout(dest_rank), _layout(dest_row), _layout(peer_table),
-           tuple(_layout(t) for _, t in per_route))
-    if key in _VALIDATED:
-        return rows_like.shape[0], dest_rank.shape[1], rows_like.shape[1]
-    shape = _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route)
-    _VALIDATED.add(key)
-    return shape
-
-
-def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
-    _require(triton is not None, f"{op}: Triton is not installed; use megatron_ext.kernels.row_transfer_ref",
-             RuntimeError)
-    _require(rows_like.dim() == 2, f"{op}: rows must be [T, H], got shape {tuple(rows_like.shape)}")
-    T, H = rows_like.shape
-    for name, t in (("dest_rank", dest_rank), ("dest_row", dest_row)):
-        _require(t.dtype == torch.int32, f"{op}: {name} must be int32, got {t.dtype}; convert with .to(torch.int32)",
-                 TypeError)
-        _require(t.dim() == 2 and t.shape[0] == T,
-                 f"{op}: {name} must be [T={T}, K], got shape {tuple(t.shape)}")
-    _require(dest_rank.shape == dest_row.shape,
-             f"{op}: dest_rank {tuple(dest_rank.shape)} and dest_row {tuple(dest_row.shape)} differ in shape")
-    K = dest_rank.shape[1]
-    _require(peer_table.dtype == torch.int64, f"{op}: peer_table must be int64 base addresses, got "
-             f"{peer_table.dtype}; build it with peer_table_from_buffers", TypeError)
-    _require(peer_table.dim() == 1 and peer_table.numel() > 0,
-             f"{op}: peer_table must be a non-empty 1-D [M] tensor, got shape {tuple(peer_table.shape)}")
-    for name, t in per_route:
-        if t is None:
-            continue
-        _require(t.dtype == torch.float32, f"{op}: {name} must be float32, got {t.dtype}", TypeError)
-        _require(t.shape == dest_rank.shape, f"{op}: {name} must be [T, K] = {tuple(dest_rank.shape)}, "
-                 f"got {tuple(t.shape)}")
-    tensors = [("rows", rows_like), ("dest_rank", dest_rank), ("dest_row", dest_row), ("peer_table", peer_table)]
-    tensors += [(n, t) for n, t in per_route if t is not None]
-    for name, t in tensors:
-        _require(t.is_contiguous(), f"{op}: {name} is not contiguous; pass {name}.contiguous()")
-        _require(t.device == rows_like.device,
-                 f"{op}: {name} is on {t.device} but the rows are on {rows_like.device}; keep all on one device")
-    return T, K, H
-
-
-def _check_runnable(op, rows_like):
-    _require(rows_like.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
-             f"{op}: tensors are on {rows_like.device}; the Triton kernels need CUDA tensors (on CPU use "
-             "megatron_ext.kernels.row_transfer_ref, or set TRITON_INTERPRET=1 before importing triton)")
-
-
 @functools.lru_cache(maxsize=None)
 def _cached_launch_config(H: int, dtype: torch.dtype) -> tuple[int, int]:
     return _launch_config(H, dtype)
@@ -260,21 +184,8 @@ def _cached_launch_config(H: int, dtype: torch.dtype) -> tuple[int, int]:
 def _config(H, dtype, block_h, num_warps):
     default_block_h, default_warps = _cached_launch_config(H, dtype)
     block_h = default_block_h if block_h is None else block_h
-    _require(block_h > 0 and block_h & (block_h - 1) == 0, f"block_h must be a power of two, got {block_h}")
+    require(block_h > 0 and block_h & (block_h - 1) == 0, f"block_h must be a power of two, got {block_h}")
     return block_h, default_warps if num_warps is None else num_warps
-
-
-def _check_value_table(op, value_table, peer_table, values) -> None:
-    """Per-route values need both the [T, K] values and the owners' int64 table of [C] fp32 arrays."""
-    _require((value_table is None) == (values is None),
-             f"{op}: per-route values need both the values and value_table (the owners' [C] fp32 arrays); "
-             f"got only one")
-    if value_table is not None:
-        _require(value_table.dtype == torch.int64 and value_table.shape == peer_table.shape,
-                 f"{op}: value_table must be int64 {tuple(peer_table.shape)} like peer_table, got "
-                 f"{value_table.dtype} {tuple(value_table.shape)}", TypeError)
-        _require(value_table.device == peer_table.device,
-                 f"{op}: value_table is on {value_table.device}, peer_table on {peer_table.device}")
 
 
 def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
@@ -287,19 +198,19 @@ def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
     also stores its value at the same row of its owner's array, in the same launch.
     Routes outside [0, M) x [0, capacity) are masked (no write); pass the buffers' row count as
     `capacity` (None: only the rank is bounded)."""
-    T, K, H = _check_common("put_rows", src, dest_rank, dest_row, peer_table,
+    T, K, H = check_common("put_rows", src, dest_rank, dest_row, peer_table,
                             (("row_scale", row_scale), ("route_values", route_values)))
-    _require(src.dtype in _BUFFER_DTYPES, f"put_rows: src dtype {src.dtype} not supported; use one of "
-             f"{_BUFFER_DTYPES}", TypeError)
-    _check_value_table("put_rows", value_table, peer_table, route_values)
-    _check_runnable("put_rows", src)
+    require(src.dtype in BUFFER_DTYPES, f"put_rows: src dtype {src.dtype} not supported; use one of "
+             f"{BUFFER_DTYPES}", TypeError)
+    check_value_table("put_rows", value_table, peer_table, route_values)
+    check_runnable("put_rows", src)
     if T == 0 or K == 0 or H == 0:
         return
     block_h, num_warps = _config(H, src.dtype, block_h, num_warps)
     has_values = route_values is not None
     _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale,
                            route_values if has_values else src, value_table if has_values else peer_table,
-                           peer_table.numel(), _row_bound(capacity), H, K,
+                           peer_table.numel(), row_bound(capacity), H, K,
                            HAS_SCALE=row_scale is not None, HAS_VALUES=has_values, BUF=_TL_DTYPES[src.dtype],
                            BLOCK_H=block_h, num_warps=num_warps)
 
@@ -315,28 +226,28 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
     each route also fetches the value at its row (0 for dropped), in the same launch. Peer buffers
     hold `buffer_dtype` (default: out's dtype). Routes outside [0, M) x [0, capacity) read nothing
     and add 0, like dropped ones. Returns out."""
-    T, K, H = _check_common("get_rows", out, dest_rank, dest_row, peer_table,
+    T, K, H = check_common("get_rows", out, dest_rank, dest_row, peer_table,
                             (("weights", weights), ("values_out", values_out)))
-    _check_value_table("get_rows", value_table, peer_table, values_out)
+    check_value_table("get_rows", value_table, peer_table, values_out)
     buffer_dtype = out.dtype if buffer_dtype is None else buffer_dtype
     for name, dtype in (("buffer_dtype", buffer_dtype), ("out", out.dtype)):
-        _require(dtype in _BUFFER_DTYPES, f"get_rows: {name} {dtype} not supported; use one of {_BUFFER_DTYPES}",
+        require(dtype in BUFFER_DTYPES, f"get_rows: {name} {dtype} not supported; use one of {BUFFER_DTYPES}",
                  TypeError)
     if gathered is not None:
-        _require(gathered.shape == (T, K, H), f"get_rows: gathered must be [T, K, H] = {(T, K, H)}, "
+        require(gathered.shape == (T, K, H), f"get_rows: gathered must be [T, K, H] = {(T, K, H)}, "
                  f"got {tuple(gathered.shape)} (H must match out's)")
-        _require(gathered.dtype in _BUFFER_DTYPES, f"get_rows: gathered dtype {gathered.dtype} not supported",
+        require(gathered.dtype in BUFFER_DTYPES, f"get_rows: gathered dtype {gathered.dtype} not supported",
                  TypeError)
-        _require(gathered.is_contiguous(), "get_rows: gathered is not contiguous; pass a contiguous tensor")
-        _require(gathered.device == out.device, f"get_rows: gathered is on {gathered.device}, out on {out.device}")
-    _check_runnable("get_rows", out)
+        require(gathered.is_contiguous(), "get_rows: gathered is not contiguous; pass a contiguous tensor")
+        require(gathered.device == out.device, f"get_rows: gathered is on {gathered.device}, out on {out.device}")
+    check_runnable("get_rows", out)
     if T == 0 or H == 0:
         return out
     block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
     has_values = values_out is not None
     _get_rows_kernel[(T,)](peer_table, dest_rank, dest_row, out, out if weights is None else weights,
                            out if gathered is None else gathered, value_table if has_values else peer_table,
-                           values_out if has_values else out, peer_table.numel(), _row_bound(capacity), H, K,
+                           values_out if has_values else out, peer_table.numel(), row_bound(capacity), H, K,
                            HAS_WEIGHTS=weights is not None, HAS_GATHERED=gathered is not None,
                            HAS_VALUES=has_values, BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h,
                            num_warps=num_warps)
@@ -349,28 +260,28 @@ def copy_rows_below(src: torch.Tensor, dst: torch.Tensor, bound: torch.Tensor,
     past it stay as they are. Moves the rows a capacity buffer holds instead of all C. With
     `values` = (values_src, values_dst), two [C] fp32 arrays, values_dst[r] = values_src[r] for
     the same rows, in the same launch. Returns dst."""
-    key = ("copy_rows_below", _layout(src), _layout(dst), _layout(bound),
-           None if values is None else tuple(_layout(v) for v in values))
-    if key not in _VALIDATED:
-        _require(triton is not None, "copy_rows_below: Triton is not installed", RuntimeError)
-        _require(src.dim() == 2 and src.shape == dst.shape and src.dtype == dst.dtype,
+    key = ("copy_rows_below", layout(src), layout(dst), layout(bound),
+           None if values is None else tuple(layout(v) for v in values))
+    if key not in VALIDATED:
+        require(triton is not None, "copy_rows_below: Triton is not installed", RuntimeError)
+        require(src.dim() == 2 and src.shape == dst.shape and src.dtype == dst.dtype,
                  f"copy_rows_below: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
                  f"must be [C, H] of one shape and dtype")
-        _require(src.is_contiguous() and dst.is_contiguous(), "copy_rows_below: src and dst must be contiguous")
-        _require(bound.dtype == torch.int32 and bound.numel() >= 1,
+        require(src.is_contiguous() and dst.is_contiguous(), "copy_rows_below: src and dst must be contiguous")
+        require(bound.dtype == torch.int32 and bound.numel() >= 1,
                  f"copy_rows_below: bound must be a device int32 count, got {bound.dtype} of {bound.numel()} "
                  f"elements")
-        _require(src.device == dst.device == bound.device,
+        require(src.device == dst.device == bound.device,
                  f"copy_rows_below: src, dst and bound must share a device ({src.device}, {dst.device}, "
                  f"{bound.device})")
-        _require(src.dtype in _BUFFER_DTYPES, f"copy_rows_below: dtype {src.dtype} not supported", TypeError)
+        require(src.dtype in BUFFER_DTYPES, f"copy_rows_below: dtype {src.dtype} not supported", TypeError)
         for name, v in zip(("values_src", "values_dst"), values or ()):
-            _require(v.dtype == torch.float32 and v.shape == (src.shape[0],) and v.is_contiguous()
+            require(v.dtype == torch.float32 and v.shape == (src.shape[0],) and v.is_contiguous()
                      and v.device == src.device,
                      f"copy_rows_below: {name} must be a contiguous float32 [{src.shape[0]}] on {src.device}, got "
                      f"{v.dtype} {tuple(v.shape)} on {v.device}")
-        _VALIDATED.add(key)
-    _check_runnable("copy_rows_below", src)
+        VALIDATED.add(key)
+    check_runnable("copy_rows_below", src)
     rows, H = src.shape
     if rows == 0 or H == 0:
         return dst

@@ -1,0 +1,105 @@
+"""Argument checks shared by the row kernels (row_transfer.py, mxfp8_put.py).
+
+Every check raises with what is wrong and what to pass instead. A layout that passed once is
+remembered (`VALIDATED`), so a training step, which repeats its shapes, pays a tuple lookup
+instead of ~20 checks per launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+BUFFER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+_NO_ROW_BOUND = 2**31 - 1
+
+
+def row_bound(capacity: int | None) -> int:
+    """The kernels' exclusive upper bound on dest_row (int32 range when the caller gives none)."""
+    if capacity is None:
+        return _NO_ROW_BOUND
+    require(isinstance(capacity, int) and 0 <= capacity <= _NO_ROW_BOUND,
+             f"capacity must be an int in [0, 2^31), got {capacity!r}")
+    return capacity
+
+
+def require(cond: bool, message: str, error=ValueError) -> None:
+    if not cond:
+        raise error(message)
+
+
+VALIDATED: set = set()  # argument layouts already checked: the hot path re-checks nothing
+
+
+def layout(t):
+    return None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous())
+
+
+def check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
+    """Shape/dtype/layout checks shared by put_rows and get_rows; returns (T, K, H).
+
+    A layout that passed once is remembered, so a training step (same shapes every call)
+    pays a tuple lookup instead of ~20 checks per kernel launch.
+    """
+    key = (op, layout(rows_like), layout(dest_rank), layout(dest_row), layout(peer_table),
+           tuple(layout(t) for _, t in per_route))
+    if key in VALIDATED:
+        return rows_like.shape[0], dest_rank.shape[1], rows_like.shape[1]
+    shape = _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route)
+    VALIDATED.add(key)
+    return shape
+
+
+def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
+    require(HAVE_TRITON, f"{op}: Triton is not installed; use megatron_ext.kernels.row_transfer_ref",
+             RuntimeError)
+    require(rows_like.dim() == 2, f"{op}: rows must be [T, H], got shape {tuple(rows_like.shape)}")
+    T, H = rows_like.shape
+    for name, t in (("dest_rank", dest_rank), ("dest_row", dest_row)):
+        require(t.dtype == torch.int32, f"{op}: {name} must be int32, got {t.dtype}; convert with .to(torch.int32)",
+                 TypeError)
+        require(t.dim() == 2 and t.shape[0] == T,
+                 f"{op}: {name} must be [T={T}, K], got shape {tuple(t.shape)}")
+    require(dest_rank.shape == dest_row.shape,
+             f"{op}: dest_rank {tuple(dest_rank.shape)} and dest_row {tuple(dest_row.shape)} differ in shape")
+    K = dest_rank.shape[1]
+    require(peer_table.dtype == torch.int64, f"{op}: peer_table must be int64 base addresses, got "
+             f"{peer_table.dtype}; build it with peer_table_from_buffers", TypeError)
+    require(peer_table.dim() == 1 and peer_table.numel() > 0,
+             f"{op}: peer_table must be a non-empty 1-D [M] tensor, got shape {tuple(peer_table.shape)}")
+    for name, t in per_route:
+        if t is None:
+            continue
+        require(t.dtype == torch.float32, f"{op}: {name} must be float32, got {t.dtype}", TypeError)
+        require(t.shape == dest_rank.shape, f"{op}: {name} must be [T, K] = {tuple(dest_rank.shape)}, "
+                 f"got {tuple(t.shape)}")
+    tensors = [("rows", rows_like), ("dest_rank", dest_rank), ("dest_row", dest_row), ("peer_table", peer_table)]
+    tensors += [(n, t) for n, t in per_route if t is not None]
+    for name, t in tensors:
+        require(t.is_contiguous(), f"{op}: {name} is not contiguous; pass {name}.contiguous()")
+        require(t.device == rows_like.device,
+                 f"{op}: {name} is on {t.device} but the rows are on {rows_like.device}; keep all on one device")
+    return T, K, H
+
+
+def check_runnable(op, rows_like):
+    require(rows_like.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+             f"{op}: tensors are on {rows_like.device}; the Triton kernels need CUDA tensors (on CPU use "
+             "megatron_ext.kernels.row_transfer_ref, or set TRITON_INTERPRET=1 before importing triton)")
+
+
+def check_value_table(op, value_table, peer_table, values) -> None:
+    """Per-route values need both the [T, K] values and the owners' int64 table of [C] fp32 arrays."""
+    require((value_table is None) == (values is None),
+             f"{op}: per-route values need both the values and value_table (the owners' [C] fp32 arrays); "
+             f"got only one")
+    if value_table is not None:
+        require(value_table.dtype == torch.int64 and value_table.shape == peer_table.shape,
+                 f"{op}: value_table must be int64 {tuple(peer_table.shape)} like peer_table, got "
+                 f"{value_table.dtype} {tuple(value_table.shape)}", TypeError)
+        require(value_table.device == peer_table.device,
+                 f"{op}: value_table is on {value_table.device}, peer_table on {peer_table.device}")
