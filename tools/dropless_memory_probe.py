@@ -8,8 +8,11 @@ one layer's dispatch buffer holds under bounded dropless (capacity factor) and u
 dropless (EP * T * K), against the rows that actually arrived at the busiest rank (what Megatron's
 dropless path would allocate, after its host sync), summed over the MoE layers. Rows x hidden x
 element size are the buffer bytes; the experts' activations ([C, 2F] and [C, H]) scale the same way.
-Issue 20 asks for the bound here on CPU ranks and for the peak memory of a training step on GPUs
-(bench_ep's rowwise_symm_bounded / rowwise_symm_dropless paths). JSON to bench/results/.
+Also the capacity factor each sizing policy would have needed over the run, from the rows every
+rank was asked for (before any capacity): a bound per layer (what bounded dropless sizes today)
+against one budget shared by all MoE layers of the microbatch (the cross-layer arena issue 20
+proposes). Issue 20 asks for the bound here on CPU ranks and for the peak memory of a training
+step on GPUs (bench_ep's rowwise_symm_bounded / rowwise_symm_dropless paths). JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -36,12 +39,15 @@ def _probe_rank(rank, world, steps: int, capacity_factor: float) -> dict:
     position_ids = torch.arange(MODEL.seq_len)[None].expand(MODEL.micro_batch, -1)
     causal_mask = torch.triu(torch.ones(1, 1, MODEL.seq_len, MODEL.seq_len, dtype=torch.bool), diagonal=1)
     arrived = []  # per step: rows this rank received, per MoE layer
+    requested = []  # per step: [layers, ranks] rows each rank was asked for (all sources), capacity aside
     for step in range(steps):
         tokens, labels = synthetic_batch(MODEL, step, rank)
         optimizer.zero_grad(set_to_none=True)
         model(tokens, position_ids, causal_mask, labels=labels).float().mean().backward()
         optimizer.step()
-        arrived.append([int(layer.token_dispatcher.route_map.recv_offsets[-1]) for layer in moe_layers(model)])
+        maps = [layer.token_dispatcher.route_map for layer in moe_layers(model)]
+        arrived.append([int(m.recv_offsets[-1]) for m in maps])
+        requested.append(torch.stack([m.metrics.requested_per_expert.view(world, -1).sum(1) for m in maps]))
     overflow = None
     for layer in moe_layers(model):
         try:
@@ -51,7 +57,12 @@ def _probe_rank(rank, world, steps: int, capacity_factor: float) -> dict:
     busiest = torch.tensor(arrived).max(0).values  # [layers]
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     tokens_per_rank = MODEL.micro_batch * MODEL.seq_len
+    balanced = tokens_per_rank * MODEL.topk  # rows per rank per layer under perfectly even routing
+    asked = torch.stack(requested).double()  # [steps, layers, ranks]
     return {"ep": world, "layers": len(busiest), "tokens_per_rank": tokens_per_rank, "topk": MODEL.topk,
+            # the capacity factor each sizing policy would have needed over these steps:
+            "factor_needed_per_layer_bound": float(asked.max()) / balanced,
+            "factor_needed_one_budget_for_all_layers": float(asked.sum(1).max()) / (balanced * asked.shape[1]),
             "bounded_rows_per_layer": rank_capacity(tokens_per_rank, MODEL.topk, world, capacity_factor, False),
             "worst_case_rows_per_layer": rank_capacity(tokens_per_rank, MODEL.topk, world, 1.0, True),
             "arrived_rows_busiest_rank_per_layer": busiest.tolist(), "overflow": overflow}
@@ -85,6 +96,9 @@ def main(argv=None) -> int:
               f"{row['arrived_rows_total']}, bounded dropless (cf {args.capacity_factor}) {row['bounded_rows_total']} "
               f"= {row['bounded_over_arrived']:.2f}x, worst-case dropless {row['worst_case_rows_total']} "
               f"= {row['worst_case_over_arrived']:.2f}x")
+        print(f"  EP{ep}: capacity factor needed over these steps: {row['factor_needed_per_layer_bound']:.2f} "
+              f"with a bound per layer, {row['factor_needed_one_budget_for_all_layers']:.2f} with one budget "
+              f"shared by the {row['layers']} layers")
         if row["overflow"]:
             print(f"  EP{ep}: the bound was exceeded: {row['overflow']}")
     kwargs = {} if args.results_dir is None else {"results_dir": args.results_dir}

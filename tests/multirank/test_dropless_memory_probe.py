@@ -11,4 +11,9 @@ def test_probe_reports_the_bound_against_arrived_rows(tmp_path, capsys):
     assert row["ep"] == 2 and row["layers"] == 4 and row["overflow"] is None
     assert row["arrived_rows_total"] <= row["bounded_rows_total"] < row["worst_case_rows_total"]
     assert row["worst_case_rows_per_layer"] == 2 * row["tokens_per_rank"] * row["topk"]
+    # One budget over all layers never needs more than a bound per layer, and both need >= 1 (the
+    # busiest rank gets at least the mean); the per-layer factor covers every layer's arrivals.
+    assert 1.0 <= row["factor_needed_one_budget_for_all_layers"] <= row["factor_needed_per_layer_bound"]
+    balanced = row["tokens_per_rank"] * row["topk"]
+    assert max(row["arrived_rows_busiest_rank_per_layer"]) <= row["factor_needed_per_layer_bound"] * balanced
     assert "EP2: 4 MoE layers" in capsys.readouterr().out
