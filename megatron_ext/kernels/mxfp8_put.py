@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.kernels.row_checks import check_common, check_runnable, check_value_table, require, row_bound
+from megatron_ext.kernels.row_checks import check_common, check_runnable, require, row_bound
 from megatron_ext.formats.mxfp8 import check_input_rows, packed_row_bytes
 
 try:
@@ -84,8 +84,8 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
     kept route; dropped routes (-1) and routes outside [0, M) x [0, capacity) write nothing. Bytes equal
     ``pack_rows(quantize_rows(src))``. `route_values` / `value_table`: as in row_transfer.put_rows."""
     op = "put_rows_mxfp8"
-    T, K, H = check_common(op, src, dest_rank, dest_row, peer_table, (("route_values", route_values),))
-    check_value_table(op, value_table, peer_table, route_values)
+    T, K, H = check_common(op, src, dest_rank, dest_row, peer_table, values=("route_values", route_values),
+                           value_table=value_table)
     try:
         n_blocks = check_input_rows(src)
     except (TypeError, ValueError) as err:

@@ -39,17 +39,22 @@ def layout(t):
     return None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous())
 
 
-def check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
-    """Shape/dtype/layout checks shared by put_rows and get_rows; returns (T, K, H).
+def check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=(), values=None, value_table=None):
+    """Shape/dtype/layout checks shared by the row kernels; returns (T, K, H). `per_route`: (name,
+    [T, K] fp32 tensor or None) pairs; `values`: the (name, tensor) of the per-route values, which
+    come with `value_table` (the owners' [C] fp32 arrays) or not at all.
 
     A layout that passed once is remembered, so a training step (same shapes every call)
     pays a tuple lookup instead of ~20 checks per kernel launch.
     """
+    if values is not None:
+        per_route = (*per_route, values)
     key = (op, layout(rows_like), layout(dest_rank), layout(dest_row), layout(peer_table),
-           tuple(layout(t) for _, t in per_route))
+           tuple(layout(t) for _, t in per_route), layout(value_table))
     if key in VALIDATED:
         return rows_like.shape[0], dest_rank.shape[1], rows_like.shape[1]
     shape = _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route)
+    _check_value_table(op, value_table, peer_table, None if values is None else values[1])
     VALIDATED.add(key)
     return shape
 
@@ -92,7 +97,7 @@ def check_runnable(op, rows_like):
              "megatron_ext.kernels.row_transfer_ref, or set TRITON_INTERPRET=1 before importing triton)")
 
 
-def check_value_table(op, value_table, peer_table, values) -> None:
+def _check_value_table(op, value_table, peer_table, values) -> None:
     """Per-route values need both the [T, K] values and the owners' int64 table of [C] fp32 arrays."""
     require((value_table is None) == (values is None),
              f"{op}: per-route values need both the values and value_table (the owners' [C] fp32 arrays); "

@@ -32,8 +32,8 @@ import functools
 
 import torch
 
-from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_runnable,
-                                             check_value_table, layout, require, row_bound)
+from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_runnable, layout,
+                                             require, row_bound)
 
 try:
     import triton
@@ -198,11 +198,10 @@ def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
     also stores its value at the same row of its owner's array, in the same launch.
     Routes outside [0, M) x [0, capacity) are masked (no write); pass the buffers' row count as
     `capacity` (None: only the rank is bounded)."""
-    T, K, H = check_common("put_rows", src, dest_rank, dest_row, peer_table,
-                            (("row_scale", row_scale), ("route_values", route_values)))
+    T, K, H = check_common("put_rows", src, dest_rank, dest_row, peer_table, (("row_scale", row_scale),),
+                           ("route_values", route_values), value_table)
     require(src.dtype in BUFFER_DTYPES, f"put_rows: src dtype {src.dtype} not supported; use one of "
-             f"{BUFFER_DTYPES}", TypeError)
-    check_value_table("put_rows", value_table, peer_table, route_values)
+            f"{BUFFER_DTYPES}", TypeError)
     check_runnable("put_rows", src)
     if T == 0 or K == 0 or H == 0:
         return
@@ -226,9 +225,8 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
     each route also fetches the value at its row (0 for dropped), in the same launch. Peer buffers
     hold `buffer_dtype` (default: out's dtype). Routes outside [0, M) x [0, capacity) read nothing
     and add 0, like dropped ones. Returns out."""
-    T, K, H = check_common("get_rows", out, dest_rank, dest_row, peer_table,
-                            (("weights", weights), ("values_out", values_out)))
-    check_value_table("get_rows", value_table, peer_table, values_out)
+    T, K, H = check_common("get_rows", out, dest_rank, dest_row, peer_table, (("weights", weights),),
+                           ("values_out", values_out), value_table)
     buffer_dtype = out.dtype if buffer_dtype is None else buffer_dtype
     for name, dtype in (("buffer_dtype", buffer_dtype), ("out", out.dtype)):
         require(dtype in BUFFER_DTYPES, f"get_rows: {name} {dtype} not supported; use one of {BUFFER_DTYPES}",

@@ -48,3 +48,10 @@ class RowTransport(Protocol):
 
     def dispatch_quantized(self, tokens: torch.Tensor, probs: torch.Tensor,
                            route: RouteMap) -> tuple[torch.Tensor, torch.Tensor, object]: ...
+
+
+def sum_routes(rows: torch.Tensor) -> torch.Tensor:
+    """[T, K, W] rows fetched per route (zero for dropped routes) -> [T, W]: each token's routes
+    summed in fp32, in the rows' dtype (combine and the dispatch backward of the transports that
+    fetch whole route rows before summing)."""
+    return rows.float().sum(1).to(rows.dtype)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.moe.route_map import RouteMap
+from megatron_ext.moe.transport.base import sum_routes
 from megatron_ext.moe.transport.deepep_layout import (
     DeepEPLayout, build_layout, place_received, returned_routes, rows_to_return, send_rows)
 
@@ -223,7 +224,7 @@ class DeepEPRowTransport:
     def combine(self, expert_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         state = self._dispatched(route)
         combined, _ = self.exchange.combine(rows_to_return(expert_out, state.layout), state.handle)
-        return returned_routes(combined, state.layout).float().sum(1).to(expert_out.dtype)
+        return sum_routes(returned_routes(combined, state.layout))
 
     def combine_backward(self, grad_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         state = self._dispatched(route)
@@ -236,7 +237,7 @@ class DeepEPRowTransport:
         weights = None if grad_row_probs is None else rows_to_return(grad_row_probs.float()[:, None], state.layout)
         combined, combined_weights = self.exchange.combine(rows_to_return(grad_buffer, state.layout), state.handle,
                                                            weights)
-        grad_tokens = returned_routes(combined, state.layout).float().sum(1).to(grad_buffer.dtype)
+        grad_tokens = sum_routes(returned_routes(combined, state.layout))
         if grad_row_probs is None:
             return grad_tokens, None
         return grad_tokens, returned_routes(combined_weights, state.layout)[..., 0]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_ext.kernels.mxfp8_rows import quantize_packed
 from megatron_ext.moe.peer_failure import named_phase
 from megatron_ext.moe.route_map import RouteMap
+from megatron_ext.moe.transport.base import sum_routes
 
 
 class TorchRowTransport:
@@ -49,13 +50,13 @@ class TorchRowTransport:
         return rows.view(torch.uint8), self._put_probs(probs, route), None
 
     def combine(self, expert_out, route):
-        return self._get(expert_out, route, phase="combine").float().sum(1).to(expert_out.dtype)
+        return sum_routes(self._get(expert_out, route, phase="combine"))
 
     def combine_backward(self, grad_out, route):
         return self._put(self._per_route(grad_out, route), route, phase="combine backward")
 
     def dispatch_backward(self, grad_buffer, grad_row_probs, route):
-        grad_tokens = self._get(grad_buffer, route, phase="dispatch backward").float().sum(1).to(grad_buffer.dtype)
+        grad_tokens = sum_routes(self._get(grad_buffer, route, phase="dispatch backward"))
         if grad_row_probs is None:
             return grad_tokens, None
         grad_probs = self._get(grad_row_probs.float()[:, None], route, phase="dispatch backward (probabilities)")
