@@ -26,6 +26,9 @@ def rank_capacity(max_tokens: int, topk: int, ep_size: int, capacity_factor: flo
     is the headroom for imbalance.
     Dropless: round_up(ep_size * max_tokens * topk, 16), the worst case where every source
     rank sends all its routes to one destination; nothing is ever dropped.
+    A factor of `ep_size` or more is capped at the worst case: no rank can receive more rows, so
+    such a capacity is dropless already (at EP=1 every factor >= 1 is), and the rows above it would
+    only hold memory.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1 (the static number of tokens a rank holds in "
@@ -38,6 +41,7 @@ def rank_capacity(max_tokens: int, topk: int, ep_size: int, capacity_factor: flo
     if not capacity_factor > 0:  # also rejects NaN
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}; use e.g. 1.25, "
                          f"or set dropless=True to size for the worst case")
+    worst_case = _round_up(ep_size * max_tokens * topk, ROW_ALIGN)
     if dropless:
-        return _round_up(ep_size * max_tokens * topk, ROW_ALIGN)
-    return _round_up(math.ceil(capacity_factor * max_tokens * topk), ROW_ALIGN)
+        return worst_case
+    return min(_round_up(math.ceil(capacity_factor * max_tokens * topk), ROW_ALIGN), worst_case)

@@ -288,6 +288,10 @@ def test_capacity():
     assert rank_capacity(100, 2, 4, 1.25, dropless=True) == 800
     assert rank_capacity(3, 3, 3, 1.0, dropless=True) == 32  # 27 -> 32
     assert rank_capacity(10, 1, 2, 0.01, dropless=False) == 16  # ceil(0.1) = 1 -> 16
+    # a factor at or above EP is capped at the worst case (nothing could fill the rows above it)
+    assert rank_capacity(100, 2, 1, 1.25, dropless=False) == rank_capacity(100, 2, 1, 1.0, dropless=True) == 208
+    assert rank_capacity(100, 2, 2, 3.0, dropless=False) == rank_capacity(100, 2, 2, 1.0, dropless=True) == 400
+    assert rank_capacity(100, 2, 2, 1.9, dropless=False) == 384  # below the worst case: unchanged
     for kwargs, match in (
             (dict(capacity_factor=0.0), "capacity_factor"),
             (dict(capacity_factor=-1.0), "capacity_factor"),
