@@ -15,8 +15,10 @@ submission ms per layer step, and the measured dense bf16 GEMM rate for the same
 Host submission drifts with the lent host; `--host-ab rowwise_symm,rowwise_symm_megatron_router
 --host-rounds 5` also times the named paths in turns, all alive at once, and reports each one's
 ratio to the first path (the figure to compare host changes by); `--device-ab` does the same for
-device time, so eager and graphed are compared on the same clocks. `--host-census rowwise_symm` times
-the layer's own functions inside the step (an op costs several times more there than in a loop).
+device time, so eager and graphed are compared on the same clocks, with dense GEMMs of the
+step's FLOPs timed first in every round as the reference of their share of the dense rate.
+`--host-census rowwise_symm` times the layer's own functions inside the step (an op costs several
+times more there than in a loop).
 
     python tools/bench_moe_layer.py [--tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
 """
@@ -37,6 +39,7 @@ from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, 
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
+DENSE = "dense_gemm"  # --device-ab's reference, timed in the same rounds
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_megatron_router",
          "rowwise_symm_graph", "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph")
 
@@ -64,14 +67,23 @@ def build(path: str, args, weights):
     return layer
 
 
-def dense_gemm_tflops(flops: float, hidden: int) -> float:
-    """Rate of one square-ish bf16 matmul doing the same FLOPs, measured now."""
+def dense_gemm_step(flops: float, hidden: int, calls: int = 1):
+    """(step, its FLOPs): `calls` square-ish bf16 matmuls [m, H] @ [H, H] doing `flops` in all."""
     n = hidden
-    m = max(256, int(flops / (2 * n * n)))
+    m = max(256, int(flops / calls / (2 * n * n)))
     a = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = median(cuda_time_ms(lambda: a @ b, warmup=5, iters=20))
-    return 2 * m * n * n / ms / 1e9
+
+    def step():
+        for _ in range(calls):
+            a @ b
+    return step, 2 * m * n * n * calls
+
+
+def dense_gemm_tflops(flops: float, hidden: int) -> float:
+    """Rate of one square-ish bf16 matmul doing the same FLOPs, measured now."""
+    step, done = dense_gemm_step(flops, hidden)
+    return done / median(cuda_time_ms(step, warmup=5, iters=20)) / 1e9
 
 
 def host_hotspots(step, iters: int = 10, top: int = 25, sort: str = "tottime") -> list[str]:
@@ -138,13 +150,17 @@ def measure(path, args, weights, x, grad_out, flops):
     return result
 
 
-def interleaved_ab(args, weights, x, grad_out, paths: str, device: bool) -> dict:
+def interleaved_ab(args, weights, x, grad_out, paths: str, device: bool, flops: float) -> dict:
     """Host submission (`device=False`, --host-ab) or device time (`device=True`, --device-ab) of
-    `paths`, all layers alive and graph paths captured, measured in turns (measurement.interleaved_ms)."""
+    `paths`, all layers alive and graph paths captured, measured in turns (measurement.interleaved_ms).
+    Device time also times, first in every round, dense GEMMs doing the layer step's FLOPs, so each
+    path's share of the dense rate compares the two under the same clocks (`pct_dense_gemm`)."""
     from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, interleaved_ms
     from megatron_ext.host_sync import capture_replay
 
     steps = {}
+    if device:  # the dense reference in the same turns: a GPU's clocks follow its power and temperature
+        steps[DENSE], _ = dense_gemm_step(flops, args.hidden, calls=3)
     for path in paths.split(","):
         step = make_step(build(path, args, weights), x, grad_out)
         steps[path] = capture_replay(step)[0].replay if path.endswith("_graph") else step
@@ -154,9 +170,12 @@ def interleaved_ab(args, weights, x, grad_out, paths: str, device: bool) -> dict
     result = interleaved_ms(steps, rounds=rounds, iters=args.iters, timer=cuda_time_ms if device else host_time_ms)
     first = next(iter(steps))
     for path, figures in result.items():
+        if device:
+            figures["pct_dense_gemm"] = 100 / figures["ratio_to_" + first]
         spread = f"{figures['min_ms']:.3f}..{figures['max_ms']:.3f}"
+        share = f", {figures['pct_dense_gemm']:5.1f}% of the dense rate" if device else ""
         print(f"  {'device' if device else 'host'} A/B: {path:30s} {figures['median_ms']:7.3f} ms ({spread})"
-              f"  x{figures['ratio_to_' + first]:.3f} of {first}", flush=True)
+              f"  x{figures['ratio_to_' + first]:.3f} of {first}{share}", flush=True)
     del steps
     torch.cuda.empty_cache()
     return result
@@ -227,12 +246,8 @@ def main():
             print(f"  kernel: {kernel['ms_per_iter']:7.3f} ms x{kernel['calls_per_iter']:.0f} {kernel['name'][:110]}")
         listed = ("kernels", "host_hotspots", "host_cumulative", "host_phases_ms", "backward_nodes", "host_census")
         print({k: v for k, v in rows[-1].items() if k not in listed}, flush=True)
-    host_ab = interleaved_ab(args, weights, x, grad_out, args.host_ab, device=False) if args.host_ab else None
-    device_ab = interleaved_ab(args, weights, x, grad_out, args.device_ab, device=True) if args.device_ab else None
-    if device_ab:
-        for path, figures in device_ab.items():
-            figures["pct_dense_gemm"] = 100 * flops / figures["median_ms"] / 1e9 / dense
-            print(f"  device A/B: {path:30s} {figures['pct_dense_gemm']:5.1f}% of the dense GEMM rate (median)")
+    host_ab = interleaved_ab(args, weights, x, grad_out, args.host_ab, False, flops) if args.host_ab else None
+    device_ab = interleaved_ab(args, weights, x, grad_out, args.device_ab, True, flops) if args.device_ab else None
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
           f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")
