@@ -66,8 +66,10 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "symm (symmetric memory + Triton PUT/GET, GPUs of one NVLink domain), deepep (optional "
                  "DeepEP package), auto (symm on GPUs within one host, else torch)."),
     ExtFlag("capacity_factor", "--moe-ext-capacity-factor", "value", type=float, metavar="CF",
-            help="Rows per destination rank: C = round_up(ceil(CF * T_max * top_k), 16). Routes beyond "
-                 "C are dropped by a fair max-min policy (replaces Megatron's --moe-expert-capacity-factor)."),
+            help="Rows per destination rank: C = round_up(ceil(CF * T_max * top_k), 16), at most "
+                 "round_up(EP * T_max * top_k, 16) (the worst case: a factor of EP or more drops nothing). "
+                 "Routes beyond C are dropped by a fair max-min policy (replaces Megatron's "
+                 "--moe-expert-capacity-factor)."),
     ExtFlag("dropless", "--moe-ext-dropless", "on",
             help="Size the capacity for the worst case (EP * T_max * top_k): nothing is ever dropped."),
     ExtFlag("on_overflow", "--moe-ext-on-overflow", "value", type=str, choices=("drop", "error"),
