@@ -52,6 +52,10 @@ class MoEExtConfig:
     peer_timeout_s: how long a rank waits on its expert-parallel peers (count exchange, transfers,
         device barriers) before it ends with a message naming the phase; None follows Megatron's
         --distributed-timeout-minutes (else torch's default process-group timeout, 30 min).
+    pin_host_threads: keep the threads that submit the layer's work (the main thread, PyTorch's
+        autograd thread) on one CPU core, this rank's share of its allowed cores
+        (megatron_ext/host_affinity.py; Linux). On the lent H200 hosts the eager layer's host time fell
+        9-22%; the training bench's step time did not change (BENCHMARKS.md, eighth session).
     """
 
     dispatcher: str = "rowwise"
@@ -71,10 +75,11 @@ class MoEExtConfig:
     fused_route_map: bool = True
     fused_router: bool = True
     peer_timeout_s: float | None = None
+    pin_host_threads: bool = False
 
     def __post_init__(self):
         for name in ("dropless", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison", "debug_checks",
-                     "fused_route_map", "fused_router"):
+                     "fused_route_map", "fused_router", "pin_host_threads"):
             _require_type(name, getattr(self, name), bool, "True or False")
         for name in ("metrics_interval", "replica_check_interval", "lease_slots"):
             _require_type(name, getattr(self, name), int, "an integer")
@@ -113,6 +118,10 @@ class MoEExtConfig:
                 raise ValueError("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
                                  "dispatchers synchronize with the host (dispatcher='megatron'). "
                                  "Use dispatcher='rowwise'.")
+            if self.pin_host_threads:
+                raise ValueError("pin_host_threads applies to the rowwise layer (dispatcher='rowwise'), whose "
+                                 "forward and backward pin their threads; dispatcher='megatron' builds "
+                                 "Megatron's MoELayer")
             if self.on_overflow != "drop":
                 raise ValueError("on_overflow applies to dispatcher='rowwise' (Megatron's dispatchers are dropless "
                                  "or drop by their own settings)")

@@ -61,7 +61,8 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, sizes, results):
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                          RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size))
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         if sizes is not None:

@@ -14,6 +14,7 @@ min..max over the repeats), the peak memory and the loss over the last steps. Va
   rowwise_dropless  the same, capacity sized so nothing is dropped (same work as Megatron's)
   rowwise_bounded   bounded dropless: the case's capacity factor as the bound, an overflow stops the
                     run with CapacityExceeded at a logging step (--moe-ext-on-overflow error)
+  rowwise_pinned    rowwise with its host threads kept on one CPU core (--moe-ext-pin-host-threads)
   rowwise_graphs    the rowwise layer captured in CUDA graphs (--moe-ext-cuda-graphs)
   rowwise_layer_graphs  whole transformer layers (attention and the rowwise MoE layer) captured by
                     Megatron's own runner (--cuda-graph-impl local)
@@ -47,6 +48,7 @@ VARIANTS = {
     "rowwise_megatron_router": ["--moe-ext-no-fused-router"],
     "rowwise_dropless": ["--moe-ext-dropless"],
     "rowwise_bounded": ["--moe-ext-on-overflow", "error"],
+    "rowwise_pinned": ["--moe-ext-pin-host-threads"],
     "rowwise_graphs": ["--moe-ext-cuda-graphs"],
     "rowwise_layer_graphs": ["--cuda-graph-impl", "local"],
 }

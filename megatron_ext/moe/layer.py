@@ -14,6 +14,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_ext.config import MoEExtConfig
+from megatron_ext.host_affinity import host_core, pin_submitting_threads
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.overflow import OverflowGuard
@@ -59,6 +60,7 @@ class RowwiseMoELayer(MoELayer):
             pg_collection=pg_collection)
         self._metrics = None
         self._overflow = OverflowGuard() if ext_config.on_overflow == "error" else None
+        self._host_core = host_core() if ext_config.pin_host_threads else None
         self._graph_runner = None
         if ext_config.cuda_graphs:
             from megatron_ext.cuda_graphs.runner import GraphedMoELayer
@@ -73,6 +75,8 @@ class RowwiseMoELayer(MoELayer):
 
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if self._host_core is not None:
+            pin_submitting_threads(output[0], self._host_core)
         if self._overflow is not None:  # training and evaluation alike: no route dropped silently
             self._overflow.record(self.token_dispatcher.route_map.metrics, self.token_dispatcher.ep_size)
         if self.training:

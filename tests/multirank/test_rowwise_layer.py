@@ -188,3 +188,21 @@ def _host_phases_rank(rank, world):
 
 def test_host_phase_tool_times_every_moe_layer_phase():
     run_on_ranks(_host_phases_rank, 1, sizes=ParallelSizes())
+
+
+def _pinned_rank(rank, world, case):
+    import os
+    import threading
+
+    from megatron_ext.host_affinity import choose_core
+
+    allowed = os.sched_getaffinity(0)
+    run_and_compare(rank, case, functools.partial(build_rowwise, dropless=True, pin_host_threads=True),
+                    keep_of=kept_mask)
+    pinned = os.sched_getaffinity(threading.get_native_id())
+    assert pinned == {choose_core(allowed, rank, world)} and (pinned != allowed or len(allowed) == 1)
+
+
+def test_pinned_host_threads_change_no_result():
+    """pin_host_threads: the layer's results are the oracle's, and the thread that ran it is on one core."""
+    run_on_ranks(_pinned_rank, 2, Case(experts=4, tokens=12), sizes=ParallelSizes(ep=2))

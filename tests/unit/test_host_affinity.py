@@ -1,0 +1,77 @@
+"""host_affinity: which core a rank takes, and that the forward and backward threads get pinned."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from megatron_ext import host_affinity
+from megatron_ext.config import MoEExtConfig
+
+
+def test_ranks_of_one_host_take_different_cores():
+    cores = set(range(16))
+    assert [host_affinity.choose_core(cores, rank, 8) for rank in range(8)] == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert host_affinity.choose_core(cores, 0, 1) == 0
+    # a launcher that bound each rank to its own cores: the rank stays inside them
+    assert host_affinity.choose_core({8, 9, 10, 11}, 1, 2) in {8, 9, 10, 11}
+    with pytest.raises(ValueError, match="at least one allowed CPU core"):
+        host_affinity.choose_core(set(), 0, 1)
+    with pytest.raises(ValueError, match="local rank 3 is outside a host of 2"):
+        host_affinity.choose_core(cores, 3, 2)
+
+
+def _in_thread(fn):
+    """Run fn in a fresh thread (pinning it leaves the test process's threads alone); return its result."""
+    result = {}
+
+    def run():
+        result["value"] = fn()
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return result["value"]
+
+
+def _own_affinity():
+    return os.sched_getaffinity(threading.get_native_id())
+
+
+def test_forward_thread_is_pinned_at_once_and_backward_thread_at_its_backward(monkeypatch):
+    monkeypatch.setattr(host_affinity, "_backward_thread_pinned", False)
+    core = max(os.sched_getaffinity(0))
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def forward():
+        y = x * 2
+        host_affinity.pin_submitting_threads(y, core)
+        return y, _own_affinity()
+
+    y, forward_affinity = _in_thread(forward)
+    assert forward_affinity == {core}
+
+    def backward():
+        before = _own_affinity()
+        y.sum().backward()  # CPU autograd runs on the calling thread: the hook pins it here
+        return before, _own_affinity()
+
+    before, after = _in_thread(backward)
+    assert after == {core} and before == os.sched_getaffinity(0)
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))  # the hook leaves the gradient alone
+    z = x * 3  # later forwards add no hook: a backward thread is pinned
+    _in_thread(lambda: host_affinity.pin_submitting_threads(z, core))
+    assert not z._backward_hooks
+
+
+def test_pinning_a_thread_happens_once():
+    core = min(os.sched_getaffinity(0))
+    assert _in_thread(lambda: (host_affinity.pin_current_thread(core), host_affinity.pin_current_thread(core),
+                               _own_affinity())) == (True, False, {core})
+
+
+def test_megatron_dispatcher_refuses_pinning():
+    with pytest.raises(ValueError, match="pin_host_threads applies to the rowwise layer"):
+        MoEExtConfig(dispatcher="megatron", pin_host_threads=True)
+    with pytest.raises(TypeError, match="pin_host_threads must be True or False"):
+        MoEExtConfig(pin_host_threads=1)
