@@ -175,6 +175,9 @@ def _rowwise_vs_megatron(name, hidden, ffn):
     results = []
     with torch.no_grad():
         reference.router.weight.copy_(router)
+        if reference.router.bias is not None:  # add_bias_linear: Megatron leaves it uninitialized here
+            bias_gen = torch.Generator().manual_seed(14)
+            reference.router.bias.copy_(0.1 * torch.randn(experts, generator=bias_gen))
     for layer in (reference, rowwise):
         layer.router.load_state_dict(reference.router.state_dict())
         load_expert_params(layer.experts, params)
