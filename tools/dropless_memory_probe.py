@@ -11,8 +11,10 @@ element size are the buffer bytes; the experts' activations ([C, 2F] and [C, H])
 Also the capacity factor each sizing policy would have needed over the run, from the rows every
 rank was asked for (before any capacity): a bound per layer (what bounded dropless sizes today)
 against one budget shared by all MoE layers of the microbatch (the cross-layer arena issue 20
-proposes). Issue 20 asks for the bound here on CPU ranks and for the peak memory of a training
-step on GPUs (bench_ep's rowwise_symm_bounded / rowwise_symm_dropless paths). JSON to bench/results/.
+proposes) and against regions and spill (the way around the grouped GEMM's fixed start row,
+megatron_ext/bench/arena_sizing.py: the best region size, and the share of rows it copies).
+Issue 20 asks for the bound here on CPU ranks and for the peak memory of a training step on GPUs
+(bench_ep's rowwise_symm_bounded / rowwise_symm_dropless paths). JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from megatron_ext.bench.arena_sizing import best_region_spill, one_budget, per_layer_bound, region_spill
 from megatron_ext.bench.results import write_result
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
@@ -58,11 +61,13 @@ def _probe_rank(rank, world, steps: int, capacity_factor: float) -> dict:
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     tokens_per_rank = MODEL.micro_batch * MODEL.seq_len
     balanced = tokens_per_rank * MODEL.topk  # rows per rank per layer under perfectly even routing
-    asked = torch.stack(requested).double()  # [steps, layers, ranks]
+    asked = torch.stack(requested)  # [steps, layers, ranks]
     return {"ep": world, "layers": len(busiest), "tokens_per_rank": tokens_per_rank, "topk": MODEL.topk,
             # the capacity factor each sizing policy would have needed over these steps:
-            "factor_needed_per_layer_bound": float(asked.max()) / balanced,
-            "factor_needed_one_budget_for_all_layers": float(asked.sum(1).max()) / (balanced * asked.shape[1]),
+            "factor_needed_per_layer_bound": per_layer_bound(asked, balanced),
+            "factor_needed_one_budget_for_all_layers": one_budget(asked, balanced),
+            "region_spill_best": vars(best_region_spill(asked, balanced)),
+            "region_spill_at_balanced_regions": vars(region_spill(asked, balanced, 1.0)),
             "bounded_rows_per_layer": rank_capacity(tokens_per_rank, MODEL.topk, world, capacity_factor, False),
             "worst_case_rows_per_layer": rank_capacity(tokens_per_rank, MODEL.topk, world, 1.0, True),
             "arrived_rows_busiest_rank_per_layer": busiest.tolist(), "overflow": overflow}
@@ -99,6 +104,10 @@ def main(argv=None) -> int:
         print(f"  EP{ep}: capacity factor needed over these steps: {row['factor_needed_per_layer_bound']:.2f} "
               f"with a bound per layer, {row['factor_needed_one_budget_for_all_layers']:.2f} with one budget "
               f"shared by the {row['layers']} layers")
+        best = row["region_spill_best"]
+        print(f"  EP{ep}: regions and spill: {best['total_factor']:.2f} with regions of {best['region_factor']:.2f}x "
+              f"the balanced rows, copying {100 * best['copied_fraction']:.1f}% of the rows out and back "
+              f"(spill arena {best['spill_arena_factor']:.2f}, tail {best['tail_factor']:.2f} layers' balanced rows)")
         if row["overflow"]:
             print(f"  EP{ep}: the bound was exceeded: {row['overflow']}")
     kwargs = {} if args.results_dir is None else {"results_dir": args.results_dir}
