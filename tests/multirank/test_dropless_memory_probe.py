@@ -16,4 +16,7 @@ def test_probe_reports_the_bound_against_arrived_rows(tmp_path, capsys):
     assert 1.0 <= row["factor_needed_one_budget_for_all_layers"] <= row["factor_needed_per_layer_bound"]
     balanced = row["tokens_per_rank"] * row["topk"]
     assert max(row["arrived_rows_busiest_rank_per_layer"]) <= row["factor_needed_per_layer_bound"] * balanced
+    # Regions and spill hold every layer's rows too, so they never need less than one shared budget.
+    best = row["region_spill_best"]
+    assert best["fits"] and best["total_factor"] >= row["factor_needed_one_budget_for_all_layers"] - 1e-9
     assert "EP2: 4 MoE layers" in capsys.readouterr().out
