@@ -75,3 +75,9 @@ def test_megatron_dispatcher_refuses_pinning():
         MoEExtConfig(dispatcher="megatron", pin_host_threads=True)
     with pytest.raises(TypeError, match="pin_host_threads must be True or False"):
         MoEExtConfig(pin_host_threads=1)
+
+
+def test_platform_without_sched_setaffinity_is_told_to_turn_it_off(monkeypatch):
+    monkeypatch.delattr(os, "sched_setaffinity")
+    with pytest.raises(RuntimeError, match="needs Linux's sched_setaffinity; turn it off"):
+        host_affinity.host_core()
