@@ -131,7 +131,7 @@ def test_profiler_check_sees_megatron_alltoall_syncs(weights):
     assert profiled_sync_calls(functools.partial(run_step, layer, x, g)), "the check must be able to fail"
 
 
-@pytest.mark.parametrize("experts,topk", [(64, 8), (256, 8), (12, 3)])
+@pytest.mark.parametrize("experts,topk", [(64, 8), (256, 8), (12, 3), (8, 2), (8, 1)])
 def test_fused_route_map_equals_torch_route_map(experts, topk):
     from megatron_ext.moe import fused_routes
     from megatron_ext.moe.dispatcher import routing_map_to_topk
