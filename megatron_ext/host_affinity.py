@@ -29,10 +29,11 @@ def choose_core(allowed: set[int], local_rank: int, local_world_size: int) -> in
     cores by the launcher stays inside them."""
     if not allowed:
         raise ValueError("choose_core needs at least one allowed CPU core")
-    if not 0 <= local_rank < max(local_world_size, 1):
+    ranks = max(local_world_size, 1)
+    if not 0 <= local_rank < ranks:
         raise ValueError(f"local rank {local_rank} is outside a host of {local_world_size} rank(s)")
     cores = sorted(allowed)
-    return cores[local_rank * len(cores) // max(local_world_size, 1)]
+    return cores[local_rank * len(cores) // ranks]
 
 
 def host_core() -> int:
