@@ -43,7 +43,7 @@ class MoEExtConfig:
     debug_poison: fill capacity tails and released buffers with NaN so stale reads show.
     debug_checks: extra validation that synchronizes with the host (debug only).
     lease_slots: dispatch-buffer slots per layer (live microbatches per layer; symm transport).
-    fused_route_map: on GPUs, select routes and build the route map in three Triton kernels
+    fused_route_map: on GPUs, select routes and build the route map in two Triton kernels
         (moe/fused_routes.py; same results as the torch form, ~1 ms less host time per layer).
     fused_router: on GPUs, run Megatron's softmax top-k routing and its load-balancing loss in one
         Triton kernel each way (moe/fused_router.py; rowwise dispatcher; same results to fp32

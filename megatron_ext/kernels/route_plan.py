@@ -1,4 +1,4 @@
-"""The route map in three Triton kernels (docs/design.md, "Route map"): the same plan and rows as
+"""The route map in two Triton kernels (docs/design.md, "Route map"): the same plan and rows as
 moe/route_map.py's torch form, from Megatron's [T, E] routing map directly.
 
 Cost removed: ~25 small torch ops per layer forward (top-k ids from the routing map, probability
@@ -9,10 +9,11 @@ per-block expert histograms of all earlier token blocks (O(blocks^2 * E) small l
 
   select  [T, E] routing map + probs -> top-k ids [T, K] (ascending), their probs (fp32),
           per-expert counts [E], per-block histograms [B, E], non-finite probability count
-  plan    per destination rank: max-min fair water-filling of its (local expert, source)
-          buckets into `capacity` rows (binary search for the level, rotating remainder)
-  place   per route: position among this rank's routes to its expert (tokens in order),
-          kept iff below the plan's keep, row = the expert's and source's base + position
+  route   plan, per destination rank: max-min fair water-filling of its (local expert, source)
+          buckets into `capacity` rows (binary search for the level, rotating remainder), done
+          by every program (cheaper than a second launch); then place, per route: position
+          among this rank's routes to its expert (tokens in order), kept iff below the plan's
+          keep, row = the expert's and source's base + position
 A token's k-th route is its k-th selected expert in ascending order, so "earlier routes win"
 means earlier tokens win, as in the torch form.
 """
@@ -88,15 +89,13 @@ def _select_backward_kernel(map_ptr, grad_top_ptr, grad_ptr, T, E, K: tl.constex
 
 
 @triton.jit
-def _plan_kernel(requested_ptr, nonfinite_ptr, keep_mine_ptr, row_base_ptr, packed_ptr, recv_counts_ptr,
-                 recv_offsets_ptr, fill_ptr, mine_ptr, capacity, rank, M, E, L,
-                 BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr):
-    dest = tl.program_id(0)
+def _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The keep plan of destination rank `dest`: (keep, req), [BLOCK_L, BLOCK_M] int64 per
+    (local expert, source) bucket, 0 outside the L x M buckets."""
     local = tl.arange(0, BLOCK_L)[:, None]  # [L, 1]
     source = tl.arange(0, BLOCK_M)[None, :]  # [1, M]
     inside = (local < L) & (source < M)
-    expert = dest * L + local
-    req = tl.load(requested_ptr + source * E + expert, mask=inside, other=0).to(tl.int64)
+    req = tl.load(requested_ptr + source * E + dest * L + local, mask=inside, other=0).to(tl.int64)
     n = L * M
     bucket = local * M + source  # the plan orders buckets l-major, then source
     total = tl.sum(tl.sum(req, axis=1), axis=0)
@@ -123,35 +122,51 @@ def _plan_kernel(requested_ptr, nonfinite_ptr, keep_mine_ptr, row_base_ptr, pack
     rotated = tl.where(bucket >= start, before - before_start, all_wanting - before_start + before)
     extra = (wanting != 0) & (rotated < remainder)
     keep = tl.where(total <= capacity, req, base + extra.to(tl.int64))
-    keep = tl.where(inside, keep, 0)
-
-    in_expert = tl.arange(0, BLOCK_L) < L
-    experts = dest * L + tl.arange(0, BLOCK_L)
-    kept = tl.sum(keep, axis=1)  # per local expert of this destination, all sources
-    expert_base = tl.cumsum(kept, axis=0) - kept
-    source_base = tl.sum(tl.where(source < rank, keep, 0), axis=1)
-    tl.store(keep_mine_ptr + experts, tl.sum(tl.where(source == rank, keep, 0), axis=1).to(tl.int32),
-             mask=in_expert)
-    tl.store(row_base_ptr + experts, (expert_base + source_base).to(tl.int32), mask=in_expert)
-    tl.store(packed_ptr + experts, tl.sum(req, axis=1).to(tl.int32), mask=in_expert)  # RouteMetrics.packed
-    tl.store(packed_ptr + E + experts, kept.to(tl.int32), mask=in_expert)
-    is_mine = dest == rank
-    lanes = tl.arange(0, BLOCK_L)
-    tl.store(recv_counts_ptr + lanes, kept.to(tl.int32), mask=in_expert & is_mine)
-    tl.store(recv_offsets_ptr + lanes, tl.cumsum(kept, axis=0).to(tl.int32), mask=in_expert & is_mine)
-    tl.store(mine_ptr + local * M + source, keep.to(tl.int32), mask=inside & is_mine)  # [l, s]
-    received = tl.sum(kept, axis=0)
-    tl.store(fill_ptr, tl.div_rn(received.to(tl.float32), tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)
-    tl.store(packed_ptr + 2 * E, 0, mask=is_mine)  # dropped: the place kernel adds to it
-    tl.store(packed_ptr + 2 * E + 1, received.to(tl.int32), mask=is_mine)
-    tl.store(packed_ptr + 2 * E + 2, tl.load(nonfinite_ptr), mask=is_mine)
-    tl.store(packed_ptr + 2 * E + 3, 1, mask=is_mine)  # one step
+    return tl.where(inside, keep, 0), req
 
 
 @triton.jit
-def _place_kernel(map_ptr, hist_ptr, keep_mine_ptr, row_base_ptr, dest_rank_ptr, dest_row_ptr, dropped_ptr,
-                  T, E, L, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr, dest_row_ptr, packed_ptr,
+                  recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, capacity, rank, M, T, E, L,
+                  K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Plan and place in one launch: every program plans all M destinations (a few thousand
+    integer ops), keeps what its tokens need (this rank's keep and base row per expert), and
+    program 0 also stores the plan's outputs and metrics."""
     block = tl.program_id(0)
+    first = block == 0
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_L)
+    in_expert = lanes < L
+    source = tl.arange(0, BLOCK_M)[None, :]
+    keep_e = tl.zeros([BLOCK_E], dtype=tl.int64)  # this rank's kept routes per global expert
+    base_e = tl.zeros([BLOCK_E], dtype=tl.int64)  # the row its first kept route takes
+    kept_mine_total = tl.sum(keep_e, axis=0)
+    for dest in range(M):
+        keep, req = _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L, BLOCK_M)
+        kept = tl.sum(keep, axis=1)  # per local expert of this destination, all sources
+        keep_mine = tl.sum(tl.where(source == rank, keep, 0), axis=1)
+        row_base = tl.cumsum(kept, axis=0) - kept + tl.sum(tl.where(source < rank, keep, 0), axis=1)
+        match = (experts[:, None] == dest * L + lanes[None, :]) & in_expert[None, :]
+        keep_e += tl.sum(tl.where(match, keep_mine[None, :], 0), axis=1)
+        base_e += tl.sum(tl.where(match, row_base[None, :], 0), axis=1)
+        kept_mine_total += tl.sum(keep_mine, axis=0)
+        global_experts = dest * L + lanes
+        tl.store(packed_ptr + global_experts, tl.sum(req, axis=1).to(tl.int32), mask=in_expert & first)
+        tl.store(packed_ptr + E + global_experts, kept.to(tl.int32), mask=in_expert & first)  # RouteMetrics.packed
+        is_mine = first & (dest == rank)
+        tl.store(recv_counts_ptr + lanes, kept.to(tl.int32), mask=in_expert & is_mine)
+        tl.store(recv_offsets_ptr + lanes, tl.cumsum(kept, axis=0).to(tl.int32), mask=in_expert & is_mine)
+        local = lanes[:, None]
+        tl.store(mine_ptr + local * M + source, keep.to(tl.int32), mask=(local < L) & (source < M) & is_mine)
+        received = tl.sum(kept, axis=0)
+        tl.store(fill_ptr, tl.div_rn(received.to(tl.float32), tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)
+        tl.store(packed_ptr + 2 * E + 1, received.to(tl.int32), mask=is_mine)
+    # Dropped: every empty or unkept route slot of this rank (place keeps exactly the plan's keep).
+    tl.store(packed_ptr + 2 * E, (T * K - kept_mine_total).to(tl.int32), mask=first)
+    tl.store(packed_ptr + 2 * E + 2, tl.load(nonfinite_ptr), mask=first)
+    tl.store(packed_ptr + 2 * E + 3, 1, mask=first)  # one step
+
     tokens, experts, _, _, routes, slot = _selection_tile(map_ptr, block, T, E, K, BLOCK_T, BLOCK_E)
     in_experts = experts < E
     earlier = tl.zeros([BLOCK_E], dtype=tl.int32)  # this rank's routes to each expert in earlier blocks
@@ -159,17 +174,14 @@ def _place_kernel(map_ptr, hist_ptr, keep_mine_ptr, row_base_ptr, dest_rank_ptr,
         earlier += tl.load(hist_ptr + previous * E + experts, mask=in_experts, other=0)
     routes_i = routes.to(tl.int32)
     position = earlier[None, :] + tl.cumsum(routes_i, axis=0) - routes_i
-    keep = tl.load(keep_mine_ptr + experts, mask=in_experts, other=0)
-    kept = routes & (position < keep[None, :])
-    row = tl.load(row_base_ptr + experts, mask=in_experts, other=0)[None, :] + position
+    kept_route = routes & (position < keep_e.to(tl.int32)[None, :])
+    row = base_e.to(tl.int32)[None, :] + position
     out = tokens[:, None].to(tl.int64) * K + slot
-    tl.store(dest_row_ptr + out, tl.where(kept, row, -1), mask=routes)
-    tl.store(dest_rank_ptr + out, tl.where(kept, experts[None, :] // L, -1), mask=routes)
+    tl.store(dest_row_ptr + out, tl.where(kept_route, row, -1), mask=routes)
+    tl.store(dest_rank_ptr + out, tl.where(kept_route, experts[None, :] // L, -1), mask=routes)
     empty, empty_out = _empty_slots(tokens, routes, T, K, BLOCK_K)
     tl.store(dest_row_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
     tl.store(dest_rank_ptr + empty_out, tl.full([BLOCK_T, BLOCK_K], -1, tl.int32), mask=empty)
-    not_kept = tl.sum(tl.where(tokens < T, K - tl.sum(kept.to(tl.int32), axis=1), 0), axis=0)
-    tl.atomic_add(dropped_ptr, not_kept)
 
 
 def select_routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -207,26 +219,22 @@ def select_backward(routing_map: torch.Tensor, grad_top_probs: torch.Tensor, dty
 
 def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: torch.Tensor, requested_all: torch.Tensor,
                    topk: int, capacity: int, ep_rank: int) -> dict:
-    """The keep plan from the gathered [M, E] counts and this rank's rows: a dict with dest_rank,
-    dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept rows per
-    (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed)."""
+    """The keep plan from the gathered [M, E] counts and this rank's rows, in one launch: a dict
+    with dest_rank, dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept
+    rows per (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed)."""
     num_tokens, num_experts = routing_map.shape
     m = requested_all.shape[0]
     local = num_experts // m
     device = routing_map.device
-    plan = torch.empty(2, num_experts, dtype=torch.int32, device=device)
-    keep_mine, row_base = plan.unbind(0)
-    packed = torch.empty(2 * num_experts + 4, dtype=torch.int32, device=device)
-    receive = torch.empty(2, local, dtype=torch.int32, device=device)
+    ints = torch.empty(2 * num_tokens * topk + 2 * num_experts + 4 + 2 * local + local * m, dtype=torch.int32,
+                       device=device)
+    dest, packed, receive, mine = ints.split([2 * num_tokens * topk, 2 * num_experts + 4, 2 * local, local * m])
+    dest, receive, mine = dest.view(2, num_tokens, topk), receive.view(2, local), mine.view(local, m)
     fill = torch.empty((), dtype=torch.float32, device=device)
-    mine = torch.empty(local, m, dtype=torch.int32, device=device)
-    _plan_kernel[(m,)](requested_all.contiguous(), nonfinite, keep_mine, row_base, packed, receive[0], receive[1],
-                       fill, mine, capacity, ep_rank, m, num_experts, local,
-                       BLOCK_L=triton.next_power_of_2(local), BLOCK_M=triton.next_power_of_2(m), num_warps=4)
-    dest = torch.empty(2, num_tokens, topk, dtype=torch.int32, device=device)
-    _place_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
-        routing_map.contiguous(), hist, keep_mine, row_base, dest[0], dest[1], packed[2 * num_experts:], num_tokens,
-        num_experts, local, K=topk, BLOCK_K=triton.next_power_of_2(topk), BLOCK_T=BLOCK_TOKENS,
-        BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    _route_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
+        routing_map.contiguous(), hist, requested_all.contiguous(), nonfinite, dest[0], dest[1], packed, receive[0],
+        receive[1], fill, mine, capacity, ep_rank, m, num_tokens, num_experts, local, K=topk,
+        BLOCK_K=triton.next_power_of_2(topk), BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_L=triton.next_power_of_2(local), BLOCK_M=triton.next_power_of_2(m), num_warps=4)
     return {"dest_rank": dest[0], "dest_row": dest[1], "recv_counts": receive[0], "recv_offsets": receive[1],
             "mine": mine, "buffer_fill": fill, "packed": packed}

@@ -20,7 +20,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.moe import fused_routes
 from megatron_ext.moe.capacity import rank_capacity
-from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, dispatch_row_bytes, dispatch_rows_mxfp8
+from megatron_ext.moe.expert_rows import RowGroups
+from megatron_ext.moe.mxfp8_dispatch import dispatch_row_bytes, dispatch_rows_mxfp8
 from megatron_ext.moe.route_map import RouteMap, check_route_map, route
 from megatron_ext.moe.row_autograd import combine_rows, dispatch_rows
 from megatron_ext.moe.transport import make_transport
@@ -110,12 +111,11 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         return buffer, row_probs
 
     def dispatch_postprocess(self, hidden: torch.Tensor, row_probs: torch.Tensor):
-        # Counts stay on the device; the experts turn them into int32 end offsets. An MXFP8
-        # payload goes with them, explicitly (never as an attribute of `hidden`).
-        counts = self.route_map.recv_counts
-        if self.payload is not None:
-            counts, self.payload = MXFP8Rows(counts, self.payload), None
-        return hidden, counts, row_probs
+        # Counts and end offsets stay on the device. An MXFP8 payload goes with them, explicitly
+        # (never as an attribute of `hidden`).
+        groups = RowGroups(self.route_map.recv_counts, self.route_map.recv_offsets, self.payload)
+        self.payload = None
+        return hidden, groups, row_probs
 
     def combine_preprocess(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden

@@ -7,7 +7,21 @@ A buffer holds offsets[-1] valid rows (expert-major: expert e owns rows
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """What the rowwise dispatcher hands the experts as `tokens_per_expert` (the argument Megatron's
+    MoELayer passes through): rows per local expert and their int32 end offsets, both on the device
+    and both from the route map (so the experts run no cumsum of their own), and the MXFP8 payload
+    (moe/mxfp8_dispatch.py) when rows travel as MXFP8."""
+
+    counts: torch.Tensor  # [L] int32
+    offsets: torch.Tensor  # [L] int32, torch._grouped_mm's end offsets
+    payload: object = None  # an MXFP8Payload, or None for rows in the experts' dtype
 
 
 def valid_row_mask(valid_rows: torch.Tensor, rows: int) -> torch.Tensor:

@@ -34,8 +34,8 @@ from megatron_ext.moe.expert_activation import ExpertActivation
 from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, sharded_state_dict
 from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
 from megatron_ext.moe.expert_padding import GemmPadding
-from megatron_ext.moe.expert_rows import row_bias, row_experts, valid_row_mask
-from megatron_ext.moe.mxfp8_dispatch import MXFP8Rows, payload_fc1
+from megatron_ext.moe.expert_rows import RowGroups, row_bias, row_experts, valid_row_mask
+from megatron_ext.moe.mxfp8_dispatch import payload_fc1
 from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems
 
 PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,10 +56,11 @@ def counts_to_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
 class DeviceOffsetGroupedMLP(torch.nn.Module):
     """Megatron experts module (ExpertsInterface) on `torch._grouped_mm` with device offsets.
 
-    forward(hidden [rows, H], tokens_per_expert [L] counts, permuted_probs [rows] | None)
-    returns (output [rows, H], None). Probabilities, when given, scale the activation output
-    and the fc2 bias per row as Megatron's experts do (or the input rows, with
-    moe_apply_probs_on_input); the rowwise dispatcher passes each buffer row's probability.
+    forward(hidden [rows, H], tokens_per_expert [L] counts or the rowwise dispatcher's RowGroups,
+    permuted_probs [rows] | None) returns (output [rows, H], None). Probabilities, when given,
+    scale the activation output and the fc2 bias per row as Megatron's experts do (or the input
+    rows, with moe_apply_probs_on_input); the rowwise dispatcher passes each buffer row's
+    probability.
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
@@ -141,10 +142,10 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         if hidden.dtype != self.fc1_weight.dtype:
             raise TypeError(f"hidden dtype {hidden.dtype} differs from expert weights {self.fc1_weight.dtype}; "
                             f"cast the input or build the experts with params_dtype={hidden.dtype}")
-        payload = None
-        if isinstance(tokens_per_expert, MXFP8Rows):  # rowwise MXFP8 dispatch: fc1 reads the payload
-            tokens_per_expert, payload = tokens_per_expert.counts, tokens_per_expert.payload
-        offsets = counts_to_offsets(tokens_per_expert, hidden.device)
+        if isinstance(tokens_per_expert, RowGroups):  # the rowwise dispatcher: offsets (and payload) given
+            offsets, payload = tokens_per_expert.offsets, tokens_per_expert.payload
+        else:  # Megatron's dispatchers: counts
+            offsets, payload = counts_to_offsets(tokens_per_expert, hidden.device), None
         return self.forward_offsets(hidden, offsets, permuted_probs, payload), None
 
     def forward_offsets(self, hidden: torch.Tensor, offsets: torch.Tensor,

@@ -1,4 +1,4 @@
-"""The rowwise dispatcher's route selection and route map on GPUs: three Triton kernels
+"""The rowwise dispatcher's route selection and route map on GPUs: two Triton kernels
 (kernels/route_plan.py) in place of the torch form (moe/route_map.py), same results.
 
 `select` runs in dispatch_preprocess (top-k ids and probabilities from Megatron's [T, E]

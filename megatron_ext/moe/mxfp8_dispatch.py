@@ -43,14 +43,6 @@ class MXFP8Payload:
     dtype: torch.dtype  # the BF16/fp32 dtype the experts compute in
 
 
-@dataclass(frozen=True)
-class MXFP8Rows:
-    """What the rowwise MXFP8 dispatch hands the experts as `tokens_per_expert`."""
-
-    counts: torch.Tensor  # [L] rows per local expert, on the device
-    payload: MXFP8Payload
-
-
 class _DispatchMXFP8Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, probs, transport: RowTransport, route: RouteMap, holder: list):

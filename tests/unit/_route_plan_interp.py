@@ -1,4 +1,4 @@
-"""The fused route map (Triton select, plan and place kernels) against the torch form, under
+"""The fused route map (Triton select and route kernels) against the torch form, under
 Triton's CPU interpreter: equal top-k ids and probabilities, equal route maps and metrics, equal
 probability gradients, for several EP sizes (the other ranks' counts made up), expert counts
 that are not powers of two, top-k 1..8, token counts that are not multiples of a block, balanced

@@ -15,7 +15,7 @@ the fast peer's writes land as early as the barriers allow.
 
 --unfenced-poison replays the pre-fix poison (fill without a barrier): the run must then fail,
 which shows that the check can see the race. --fused-route-map runs FUSED_CASES with the GPU
-route map (Triton select/plan/place kernels, counts exchanged over the simulated symmetric
+route map (Triton select and route kernels, counts exchanged over the simulated symmetric
 memory) instead of the torch one. Exits 0 when every case passes.
 """
 
