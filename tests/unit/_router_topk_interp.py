@@ -174,6 +174,7 @@ def main() -> int:
         (40, 16, 4, False, 2.5, torch.float32),      # scaling factor
         (50, 10, 1, False, None, torch.float32),     # top-1
         (64, 16, 2, False, None, torch.bfloat16),    # bf16 logits (router dtype bf16)
+        (45, 6, 2, False, None, torch.bfloat16),     # bf16 with few experts, T not a multiple of 32
     ]
     for seed, case in enumerate(cases):
         check_case(*case, seed=10 * seed)
