@@ -162,6 +162,8 @@ class ExpertSettings:
     topk: int | None
     probs_on_input: bool
     glu_interleave: int | None = None
+    recompute_activation: bool = False  # --recompute-granularity selective --recompute-modules moe_act
+    offloaded: tuple[str, ...] = ()  # --offload-modules the experts would have to offload
 
     @staticmethod
     def from_config(config) -> "ExpertSettings":
@@ -169,7 +171,8 @@ class ExpertSettings:
             gated=bool(config.gated_linear_unit), etp=config.expert_tensor_parallel_size or 1,
             num_experts=config.num_moe_experts, ep=config.expert_model_parallel_size or 1,
             topk=config.moe_router_topk, probs_on_input=bool(config.moe_apply_probs_on_input),
-            glu_interleave=getattr(config, "moe_mlp_glu_interleave_size", None))
+            glu_interleave=getattr(config, "moe_mlp_glu_interleave_size", None),
+            recompute_activation=_recomputes_activation(config), offloaded=_expert_offloads(config))
 
     @staticmethod
     def from_args(args) -> "ExpertSettings":
@@ -179,7 +182,24 @@ class ExpertSettings:
             gated=gated, etp=1 if etp is None else etp, num_experts=getattr(args, "num_experts", None),
             ep=getattr(args, "expert_model_parallel_size", 1) or 1, topk=getattr(args, "moe_router_topk", None),
             probs_on_input=bool(getattr(args, "moe_apply_probs_on_input", False)),
-            glu_interleave=getattr(args, "moe_mlp_glu_interleave_size", None))
+            glu_interleave=getattr(args, "moe_mlp_glu_interleave_size", None),
+            recompute_activation=_recomputes_activation(args), offloaded=_expert_offloads(args))
+
+
+EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")  # Megatron 0.19.2's experts' offloads
+
+
+def _recomputes_activation(settings) -> bool:
+    """Megatron's selective recompute of the MoE activation (TransformerConfig or args, same names)."""
+    return getattr(settings, "recompute_granularity", None) == "selective" \
+        and "moe_act" in (getattr(settings, "recompute_modules", None) or ())
+
+
+def _expert_offloads(settings) -> tuple[str, ...]:
+    """The experts' activations Megatron's fine-grained activation offloading is asked to move."""
+    if not getattr(settings, "fine_grained_activation_offloading", False):
+        return ()
+    return tuple(m for m in (getattr(settings, "offload_modules", None) or ()) if m in EXPERT_OFFLOAD_MODULES)
 
 
 def moe_problems(settings: ExpertSettings) -> list[str]:
@@ -208,6 +228,12 @@ def expert_problems(settings: ExpertSettings) -> list[str]:
         problems.append(f"the grouped experts are not sharded over tensor parallelism "
                         f"(expert_tensor_parallel_size={settings.etp}, --expert-tensor-parallel-size {settings.etp}); "
                         f"use --expert-tensor-parallel-size 1")
+    if settings.offloaded:
+        modules = " ".join(settings.offloaded)
+        problems.append(f"offload_modules {list(settings.offloaded)} (--fine-grained-activation-offloading "
+                        f"--offload-modules {modules}): the grouped experts do not offload their activations to "
+                        f"the host; drop those modules, or save the activation's memory with "
+                        f"--recompute-granularity selective --recompute-modules moe_act")
     if settings.gated and settings.glu_interleave is not None:
         problems.append(f"moe_mlp_glu_interleave_size={settings.glu_interleave} (--moe-mlp-glu-interleave-size "
                         f"{settings.glu_interleave}) is TEGroupedMLP's interleaved fc1 layout; the grouped experts "

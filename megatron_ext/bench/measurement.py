@@ -97,6 +97,19 @@ def peak_memory(fn: Callable[[], object]) -> dict | None:
     return {"peak_bytes": peak, "peak_above_baseline_bytes": peak - before}
 
 
+def held_for_backward(layer, x, grad_out) -> int:
+    """Device bytes one forward of `layer` leaves allocated for its backward (measured while its
+    output is alive), then the backward runs (a layer may hold buffers until it has)."""
+    x = x.clone().requires_grad_(True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out, _ = layer(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    out.backward(grad_out)
+    return held
+
+
 def make_step(layer, x, grad_out):
     """One forward+backward of `layer` on its own copy of `x` (requires grad); parameter and input
     grads are reset to None first, so that a step does the layer's own work only."""

@@ -8,7 +8,10 @@ gradient comes out in the parameter's own layout [L, H, F] instead of a transpos
 Megatron's DDP adds it to main_grad without a strided pass. Cost accepted: the backward is this
 module's code rather than torch's formula (checked against torch's autograd in the tests).
 Saved for backward, as autograd would: the input rows, fc1's output and the activation, each
-released in backward when torch's own backward would release it (peak memory as torch's).
+released in backward when torch's own backward would release it (peak memory as torch's). With
+`recompute_activation` (Megatron's `--recompute-modules moe_act`) the activation is not kept: the
+backward runs the SwiGLU kernel again from fc1's output. Cost removed: [rows, F] of saved
+activations per layer; cost accepted: one more SwiGLU forward (memory bound) in the backward.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ from megatron_ext.kernels.swiglu import swiglu_backward, swiglu_forward
 
 class _SwiGLUGroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs):
+    def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs, recompute_activation: bool):
         valid_rows = offsets[-1]
         fc1_out = torch._grouped_mm(hidden, fc1_weight.transpose(1, 2), offs=offsets)
         act = swiglu_forward(fc1_out, valid_rows, probs)
         ctx.save_for_backward(hidden, fc1_weight, fc2_weight, offsets, probs)
         # The two intermediates live on ctx, not in saved_tensors, so backward can drop each as
         # soon as its last reader has run: peak memory as in torch's own three-node backward.
-        ctx.intermediates = [fc1_out, act]
+        ctx.intermediates = [fc1_out, None if recompute_activation else act]
         return torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
@@ -38,9 +41,11 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
                                "intermediates are released by the first backward: run the forward again")
         fc1_out, act = ctx.intermediates
         ctx.intermediates = None
-        need_hidden, need_fc1, need_fc2, _, need_probs = ctx.needs_input_grad
+        need_hidden, need_fc1, need_fc2, _, need_probs, _ = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
         need_act_grad = need_hidden or need_fc1 or need_probs
+        if act is None and need_fc2:  # recomputed, alive through both fc2 GEMMs as if it had been kept
+            act = swiglu_forward(fc1_out, offsets[-1], probs)
         # fc2's two gradients while the activation is alive, then release it (torch's own order).
         # Releasing it between them hands its memory to the next GEMM's output; inside a captured
         # backward that gave NaN weight gradients in replays (tests/gpu/test_graph_runner_gpu.py,
@@ -49,17 +54,20 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         grad_fc2 = torch._grouped_mm(grad_out.t(), act, offs=offsets) if need_fc2 else None
         del act
         if not need_act_grad:
-            return None, None, grad_fc2, None, None
+            return None, None, grad_fc2, None, None, None
         grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1])
         del grad_act, fc1_out
         grad_hidden = torch._grouped_mm(grad_fc1_out, fc1_weight, offs=offsets) if need_hidden else None
         grad_fc1 = torch._grouped_mm(grad_fc1_out.t(), hidden, offs=offsets) if need_fc1 else None
-        return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None
+        return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None, None
 
 
 def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
-                       offsets: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+                       offsets: torch.Tensor, probs: torch.Tensor | None = None,
+                       recompute_activation: bool = False) -> torch.Tensor:
     """fc2(swiglu(fc1(hidden)) [* probs]) per expert on rows < offsets[-1]: hidden [rows, H], fc1
     [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F], int32 end offsets [L], probs [rows] fp32.
-    Rows at or past offsets[-1] are never read; their outputs and gradients are not defined."""
-    return _SwiGLUGroupedMLP.apply(hidden.contiguous(), fc1_weight, fc2_weight, offsets, probs)
+    Rows at or past offsets[-1] are never read; their outputs and gradients are not defined.
+    `recompute_activation`: keep fc1's output only and run the activation again in the backward."""
+    return _SwiGLUGroupedMLP.apply(hidden.contiguous(), fc1_weight, fc2_weight, offsets, probs,
+                                   recompute_activation)

@@ -33,6 +33,7 @@ from megatron_ext.kernels.swiglu import swiglu_valid_prefix
 from megatron_ext.moe.expert_activation import ExpertActivation
 from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, sharded_state_dict
 from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
+from megatron_ext.moe.expert_recompute import activation_then_fc2
 from megatron_ext.moe.expert_padding import GemmPadding
 from megatron_ext.moe.expert_rows import RowGroups, row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import payload_fc1
@@ -91,6 +92,8 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         self.register_parameter("fc2_bias", parameter(num_local_experts, hidden) if bias else None)
         self.padding = GemmPadding.needed(hidden, ffn, config.params_dtype, self.activation.gated)
         self.fast_path = self.activation.plain_swiglu and not bias and self.padding is None
+        # Megatron's --recompute-granularity selective --recompute-modules moe_act
+        self.recompute_activation = ExpertSettings.from_config(config).recompute_activation
         self._init_weights(pg_collection)
         self._register_load_state_dict_pre_hook(load_sequential_mlp_layout, with_module=True)
 
@@ -162,10 +165,17 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         if not self.fast_path:
             return self._forward_any(hidden, offsets, probs, payload)
         if payload is None:  # one autograd node (moe/expert_mlp.py)
-            return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs)
+            return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs,
+                                      self.recompute_activation)
         fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload)
-        act = swiglu_valid_prefix(fc1_out, offsets[-1], probs)
-        return torch._grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offsets)
+        return self._fc2(swiglu_valid_prefix, (fc1_out, offsets[-1], probs), self.fc2_weight, offsets)
+
+    def _fc2(self, activation, inputs: tuple, fc2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """fc2's grouped GEMM on activation(*inputs) (inputs: h, valid rows, probs), the activation
+        recomputed in the backward when Megatron's moe_act recompute is on (moe/expert_recompute.py)."""
+        if self.recompute_activation and torch.is_grad_enabled():
+            return activation_then_fc2(activation, *inputs, fc2, offsets)
+        return torch._grouped_mm(activation(*inputs), fc2.transpose(1, 2), offs=offsets)
 
     def _forward_any(self, hidden, offsets, probs, payload):
         """Every other variant: padding for odd sizes, biases, any activation (module docstring)."""
@@ -182,7 +192,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         if fc1_bias is not None:  # add_bias_linear: fc1 and fc2 biases come together
             experts = row_experts(offsets, rows)
             h = h + row_bias(fc1_bias, offsets, experts)
-        out = torch._grouped_mm(self.activation(h, valid_rows, probs), fc2.transpose(1, 2), offs=offsets)
+        out = self._fc2(self.activation, (h, valid_rows, probs), fc2, offsets)
         if fc2_bias is not None:  # as SequentialMLP's MLP.forward: output += bias * per_token_scale
             bias = row_bias(fc2_bias, offsets, experts)
             if probs is not None:

@@ -1,0 +1,121 @@
+"""Megatron's activation recompute with the grouped experts and the rowwise layer (gloo ranks, torch
+transport): `--recompute-modules moe_act` keeps no activation for the backward and gives the same
+outputs and gradients bitwise; Megatron's whole-MoE-layer recompute (`moe`) runs the rowwise layer
+twice and gives the same results; the experts refuse activation offloading by name.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from megatron_ext.specs import moe_builder
+from megatron_ext.testing.expert_variants import ExpertParams, expert_param_grads, load_expert_params, variant_config
+from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights
+
+RECOMPUTE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
+ROWS, VALID, COUNTS = 40, 28, [7, 0, 12, 9]
+
+
+def _expert_step(module, x, probs, grad_out):
+    """Forward+backward on a capacity buffer; returns (results, bytes of the [rows, F] tensors kept for
+    the backward)."""
+    module.zero_grad(set_to_none=True)
+    x, probs = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = module.forward_offsets(x, torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32), probs)
+    ffn = module.fc2_weight.shape[2] if module.padding is None else module.padding.ffn_padded  # fc2's GEMM reads
+    activation_bytes = sum(t.untyped_storage().nbytes() for t in saved if t.dim() == 2 and t.shape[1] == ffn)
+    recomputing = module.recompute_activation
+    node = out.grad_fn if module.padding is None else out.grad_fn.next_functions[0][0]  # under the unpad slice
+    if not module.fast_path and module.fc2_bias is None:  # else fc2's node sits under the bias add
+        assert (type(node).__name__ == "_RecomputedActivationFc2Backward") == recomputing, type(node).__name__
+    if module.fast_path:  # its activation lives on the node, not in saved tensors
+        activation = out.grad_fn.intermediates[1]
+        activation_bytes += 0 if activation is None else activation.untyped_storage().nbytes()
+    out.backward(grad_out)
+    results = [out[:VALID], x.grad[:VALID], probs.grad[:VALID], *expert_param_grads(module).values()]
+    return [t.detach().clone() for t in results], activation_bytes
+
+
+def _recompute_rank(rank, world, name, hidden, ffn):
+    gen = torch.Generator().manual_seed(4)
+    x, grad_out = torch.randn(ROWS, hidden, generator=gen), torch.randn(ROWS, hidden, generator=gen)
+    probs = torch.rand(ROWS, generator=gen) + 0.1
+    runs = []
+    for recompute in (False, True):
+        extra = RECOMPUTE_ACT if recompute else {}
+        config = variant_config(name, hidden=hidden, ffn=ffn, experts=len(COUNTS), **extra)
+        module = DeviceOffsetGroupedMLP(len(COUNTS), config)
+        load_expert_params(module, ExpertParams.random(config, seed=11))
+        assert module.recompute_activation == recompute
+        runs.append(_expert_step(module, x, probs, grad_out))
+    (kept, kept_bytes), (recomputed, recomputed_bytes) = runs
+    # torch.autograd.grad (the graph runner's capture) gives what .backward gave
+    leaves = [x.clone().requires_grad_(True), probs.clone().requires_grad_(True), module.fc2_weight]
+    out = module.forward_offsets(leaves[0], torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32), leaves[1])
+    by_grad = torch.autograd.grad(out, leaves, grad_out)
+    assert torch.equal(by_grad[0][:VALID], recomputed[1]) and torch.equal(by_grad[1][:VALID], recomputed[2])
+    width = ffn if module.padding is None else module.padding.ffn_padded
+    return all(torch.equal(a, b) for a, b in zip(kept, recomputed)), kept_bytes - recomputed_bytes, width, \
+        module.fast_path
+
+
+@pytest.mark.parametrize("name,hidden,ffn", [("swiglu", 32, 16), ("gelu_bias", 32, 16), ("swiglu", 12, 5)])
+def test_moe_act_recompute_keeps_no_activation_and_changes_nothing(name, hidden, ffn):
+    equal, bytes_freed, width, fast = run_on_ranks(_recompute_rank, 1, name, hidden, ffn, sizes=ParallelSizes())[0]
+    assert equal, f"{name} H={hidden} F={ffn}: recompute changed a result"
+    assert fast == (name == "swiglu" and hidden == 32)  # the fast path and both general ones are covered
+    # At least the [rows, F] fp32 activation fc2 reads is gone (non-gated: also what the activation
+    # saved inside; its input, fc1's output, stays for the recompute).
+    assert bytes_freed >= ROWS * width * 4, (bytes_freed, ROWS * width * 4)
+
+
+def _layer_rank(rank, world, recompute_modules):
+    x, g = rank_tokens(rank, 16, 32)
+    results = []
+    for recompute in (None, recompute_modules):
+        extra = dict(recompute_granularity="selective", recompute_modules=recompute, moe_grouped_gemm=True) \
+            if recompute else {}
+        layer = moe_builder(MoEExtConfig(transport="torch", dropless=True))(
+            config=moe_config(hidden=32, ffn=16, experts=8, topk=2, ep=world, **extra))
+        load_weights(layer, MoEWeights.random(8, 32, 16, seed=8))
+        layer.train()
+        assert layer.experts.recompute_activation == (recompute == ["moe_act"])
+        assert layer.moe_layer_recompute == (recompute == ["moe"])  # Megatron checkpoints the whole layer
+        tokens = x.clone().view(16, 1, 32).requires_grad_(True)
+        out, _ = layer(tokens)
+        out.backward(g.view_as(out))
+        results.append([out.detach(), tokens.grad, layer.experts.fc1_weight.grad, layer.experts.fc2_weight.grad,
+                        layer.router.weight.grad])
+        metrics = layer.read_metrics()
+        assert metrics["steps"] == 1, f"recompute={recompute}: {metrics['steps']} forwards counted"
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("modules", [["moe_act"], ["moe"]])
+def test_rowwise_layer_under_megatrons_recompute_equals_no_recompute(modules):
+    assert all(run_on_ranks(_layer_rank, 2, modules, sizes=ParallelSizes(ep=2)))
+
+
+def test_activation_offloading_is_refused_with_the_flag_to_use_instead():
+    config = moe_config(fine_grained_activation_offloading=True, offload_modules=["moe_act"])
+    with pytest.raises(ValueError, match=r"--offload-modules moe_act.*--recompute-modules moe_act"):
+        DeviceOffsetGroupedMLP._check_config(config)
+
+
+def test_the_launcher_reads_the_same_settings_from_megatrons_args():
+    from argparse import Namespace
+
+    from megatron_ext.rules import ExpertSettings, expert_problems
+
+    args = Namespace(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"],
+                     fine_grained_activation_offloading=True, offload_modules=["attn_norm", "expert_fc1"])
+    settings = ExpertSettings.from_args(args)
+    assert settings.recompute_activation and settings.offloaded == ("expert_fc1",)
+    assert any("--offload-modules expert_fc1" in problem for problem in expert_problems(settings))
+    full = ExpertSettings.from_args(Namespace(recompute_granularity="full", recompute_modules=["moe_act"]))
+    assert not full.recompute_activation and not expert_problems(full)  # full recompute: Megatron's checkpoint
