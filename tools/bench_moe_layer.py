@@ -9,8 +9,11 @@ Paths (same router weights, expert weights, tokens and output gradients):
   rowwise_symm_graph       rowwise_symm captured in one CUDA graph (forward+backward), replayed
   rowwise_symm_mxfp8       rowwise_symm with MXFP8 dispatch payloads (quantize, PUT, dequantize)
   rowwise_symm_mxfp8_graph rowwise_symm_mxfp8 captured in one CUDA graph (no host submission cost)
+  rowwise_symm_moe_act     rowwise_symm under Megatron's --recompute-modules moe_act (the experts
+                           keep no activation for the backward)
 Reported per path: median fwd+bwd ms (CUDA events, after warm-up), model TFLOP/s (useful
-tokens only), peak memory above baseline, blocking CUDA calls per step (profiler), host
+tokens only), peak memory above baseline, bytes a forward leaves held for its backward, blocking
+CUDA calls per step (profiler), host
 submission ms per layer step, and the measured dense bf16 GEMM rate for the same FLOPs.
 Host submission drifts with the lent host; `--host-ab rowwise_symm,rowwise_symm_megatron_router
 --host-rounds 5` also times the named paths in turns, all alive at once, and reports each one's
@@ -33,7 +36,8 @@ import torch
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
 from megatron_ext.bench.kernel_profile import profile_kernels
-from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, make_step, median, peak_memory
+from megatron_ext.bench.measurement import (cuda_time_ms, held_for_backward, host_time_ms, make_step, median,
+                                            peak_memory)
 from megatron_ext.bench.results import write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config
 from megatron_ext.testing.reference import MoEWeights
@@ -41,7 +45,8 @@ from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 DENSE = "dense_gemm"  # --device-ab's reference, timed in the same rounds
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_megatron_router",
-         "rowwise_symm_graph", "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph")
+         "rowwise_symm_graph", "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph", "rowwise_symm_moe_act")
+MOE_ACT_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 
 
 def build(path: str, args, weights):
@@ -51,8 +56,10 @@ def build(path: str, args, weights):
 
     aux = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=args.aux_loss_coeff) \
         if args.aux_loss_coeff else {}
+    recompute = MOE_ACT_RECOMPUTE if path.endswith("_moe_act") else {}
     config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
-                        dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32", **aux)
+                        dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32", **aux,
+                        **recompute)
     if path == "megatron_alltoall":
         layer = megatron_moe_layer(config)
     elif path == "megatron_alltoall_gg":
@@ -123,6 +130,8 @@ def measure(path, args, weights, x, grad_out, flops):
     result["tflops"] = flops / result["fwd_bwd_ms"] / 1e9
     result["host_submit_ms"] = median(host_time_ms(step, warmup=2, iters=args.iters))
     result["memory"] = peak_memory(step)
+    if not path.endswith("_graph"):
+        result["memory"]["held_for_backward_bytes"] = held_for_backward(layer, x, grad_out)
     result["blocking_cuda_calls"] = sum(profiled_sync_calls(step).values())
     if path in args.profile.split(","):
         result["kernels"] = profile_kernels(step, iters=3, top=args.profile_top)
@@ -252,7 +261,7 @@ def main():
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
           f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")
     print(f"{'path':22s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {'%dense':>7s} {'speedup':>8s} {'host ms':>8s} "
-          f"{'syncs':>6s} {'peak MiB':>9s}")
+          f"{'syncs':>6s} {'peak MiB':>9s} {'held MiB':>9s}")
     for r in rows:
         if "error" in r:
             print(f"{r['path']:22s} ERROR {r['error']}")
@@ -260,9 +269,11 @@ def main():
         r["pct_dense_gemm"] = 100 * r["tflops"] / dense
         r["speedup_vs_megatron"] = base / r["fwd_bwd_ms"] if base else None
         mem = (r["memory"] or {}).get("peak_above_baseline_bytes", 0) / 2**20
+        held = (r["memory"] or {}).get("held_for_backward_bytes")
+        held = "-" if held is None else f"{held / 2**20:.0f}"
         speed = f"{r['speedup_vs_megatron']:.2f}x" if base else "-"
         print(f"{r['path']:22s} {r['fwd_bwd_ms']:10.2f} {r['tflops']:8.0f} {r['pct_dense_gemm']:6.0f}% {speed:>8s} "
-              f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f}")
+              f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f} {held:>9s}")
     path = write_result(args.name, {"args": vars(args), "dense_gemm_tflops": dense, "host_unit_costs_us": unit_costs,
                                          "rows": rows, "host_ab": host_ab, "device_ab": device_ab})
     print(f"wrote {path}")
