@@ -71,17 +71,33 @@ def _megatron_graph_flag(settings) -> str | None:
         ("--external-cuda-graph", bool(getattr(settings, "external_cuda_graph", False)))) if on), None)
 
 
-def graph_runner_clash(settings, ext) -> list[str]:
-    """Megatron's CUDA-graph runner against megatron_ext settings (an MoEExtConfig or the launcher's
-    args, read by field name) that cannot be captured with it."""
-    graph_flag = _megatron_graph_flag(settings)
-    if not graph_flag:
-        return []
+def _layer_recompute_flag(settings) -> str | None:
+    """Megatron's recompute of whole MoE layers (selective `moe`) or whole transformer layers (full)."""
+    granularity = getattr(settings, "recompute_granularity", None)
+    if granularity == "full":
+        return "--recompute-granularity full"
+    if granularity == "selective" and "moe" in (getattr(settings, "recompute_modules", None) or ()):
+        return "--recompute-modules moe"
+    return None
 
+
+def graph_runner_clash(settings, ext) -> list[str]:
+    """megatron_ext settings (an MoEExtConfig or the launcher's args, read by field name) against
+    Megatron settings they cannot run with: layer recompute with megatron_ext's graph runner, and
+    Megatron's own CUDA-graph runner against what it cannot capture."""
     def ext_value(field):
         return getattr(ext, field, getattr(ext, f"moe_ext_{field}", None))
 
     problems = []
+    recompute_flag = _layer_recompute_flag(settings)
+    if ext_value("cuda_graphs") and recompute_flag:
+        problems.append(f"{recompute_flag} with --moe-ext-cuda-graphs: the graph runner replays the MoE layer "
+                        f"with what its forward saves kept in the graph's memory, so Megatron's recompute of the "
+                        f"layer would not save it; drop one (--recompute-modules moe_act works with the graph "
+                        f"runner)")
+    graph_flag = _megatron_graph_flag(settings)
+    if not graph_flag:
+        return problems
     if ext_value("cuda_graphs"):
         problems.append(f"{graph_flag} with --moe-ext-cuda-graphs: the two would capture the MoE layer twice; "
                         f"keep one")

@@ -119,3 +119,29 @@ def test_the_launcher_reads_the_same_settings_from_megatrons_args():
     assert any("--offload-modules expert_fc1" in problem for problem in expert_problems(settings))
     full = ExpertSettings.from_args(Namespace(recompute_granularity="full", recompute_modules=["moe_act"]))
     assert not full.recompute_activation and not expert_problems(full)  # full recompute: Megatron's checkpoint
+
+
+def test_layer_recompute_with_the_graph_runner_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from megatron_ext.rules import graph_runner_clash
+
+    graphs = MoEExtConfig(cuda_graphs=True)
+    for settings, flag in ((SimpleNamespace(recompute_granularity="selective", recompute_modules=["moe"]),
+                            "--recompute-modules moe"),
+                           (SimpleNamespace(recompute_granularity="full", recompute_modules=None),
+                            "--recompute-granularity full")):
+        problems = graph_runner_clash(settings, graphs)
+        assert len(problems) == 1 and problems[0].startswith(f"{flag} with --moe-ext-cuda-graphs"), problems
+        assert graph_runner_clash(settings, MoEExtConfig()) == []
+    moe_act = SimpleNamespace(recompute_granularity="selective", recompute_modules=["moe_act"])
+    assert graph_runner_clash(moe_act, graphs) == []
+    message = run_on_ranks(_build_graphed_with_moe_recompute, 1, sizes=ParallelSizes())[0]
+    assert "--recompute-modules moe with --moe-ext-cuda-graphs" in message, message
+
+
+def _build_graphed_with_moe_recompute(rank, world):
+    config = moe_config(recompute_granularity="selective", recompute_modules=["moe"])
+    with pytest.raises(ValueError) as refused:
+        moe_builder(MoEExtConfig(transport="symm", cuda_graphs=True))(config=config)
+    return str(refused.value)
