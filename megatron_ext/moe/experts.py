@@ -33,8 +33,8 @@ from megatron_ext.kernels.swiglu import swiglu_valid_prefix
 from megatron_ext.moe.expert_activation import ExpertActivation
 from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, sharded_state_dict
 from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
-from megatron_ext.moe.expert_recompute import activation_then_fc2
 from megatron_ext.moe.expert_padding import GemmPadding
+from megatron_ext.moe.expert_recompute import activation_then_fc2
 from megatron_ext.moe.expert_rows import RowGroups, row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import payload_fc1
 from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems

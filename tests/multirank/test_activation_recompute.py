@@ -74,13 +74,13 @@ def test_moe_act_recompute_keeps_no_activation_and_changes_nothing(name, hidden,
     assert bytes_freed >= ROWS * width * 4, (bytes_freed, ROWS * width * 4)
 
 
-def _layer_rank(rank, world, recompute_modules):
+def _layer_rank(rank, world, recompute_modules, ext):
     x, g = rank_tokens(rank, 16, 32)
     results = []
     for recompute in (None, recompute_modules):
         extra = dict(recompute_granularity="selective", recompute_modules=recompute, moe_grouped_gemm=True) \
             if recompute else {}
-        layer = moe_builder(MoEExtConfig(transport="torch", dropless=True))(
+        layer = moe_builder(MoEExtConfig(transport="torch", dropless=True, **ext))(
             config=moe_config(hidden=32, ffn=16, experts=8, topk=2, ep=world, **extra))
         load_weights(layer, MoEWeights.random(8, 32, 16, seed=8))
         layer.train()
@@ -96,9 +96,10 @@ def _layer_rank(rank, world, recompute_modules):
     return all(torch.equal(a, b) for a, b in zip(*results))
 
 
-@pytest.mark.parametrize("modules", [["moe_act"], ["moe"]])
-def test_rowwise_layer_under_megatrons_recompute_equals_no_recompute(modules):
-    assert all(run_on_ranks(_layer_rank, 2, modules, sizes=ParallelSizes(ep=2)))
+@pytest.mark.parametrize("modules,ext", [(["moe_act"], {}), (["moe"], {}),
+                                         (["moe_act"], dict(mxfp8_dispatch=True))])  # MXFP8: the payload path
+def test_rowwise_layer_under_megatrons_recompute_equals_no_recompute(modules, ext):
+    assert all(run_on_ranks(_layer_rank, 2, modules, ext, sizes=ParallelSizes(ep=2)))
 
 
 def test_activation_offloading_is_refused_with_the_flag_to_use_instead():
