@@ -47,6 +47,29 @@ ROWWISE_REFUSED: tuple[Refused, ...] = (
 )
 
 
+# What the grouped experts (DeviceOffsetGroupedMLP) cannot honor; under dispatcher="megatron" the
+# layer builds Megatron's own experts instead (specs.moe_builder).
+EXPERT_REFUSED: tuple[Refused, ...] = (
+    Refused("fp8", "--fp8-format", "the grouped experts run their GEMMs in the parameters' dtype, not Transformer "
+            "Engine's FP8 (megatron_ext's FP8 is --moe-ext-mxfp8-dispatch, for the dispatched rows)",
+            "drop it, or use --moe-ext-dispatcher megatron"),
+    Refused("fp4", "--fp4-format", "the grouped experts run their GEMMs in the parameters' dtype, not FP4",
+            "drop it, or use --moe-ext-dispatcher megatron"),
+    Refused("activation_func_fp8_input_store", "activation_func_fp8_input_store (TransformerConfig)",
+            "the grouped experts keep the activation's input in the parameters' dtype",
+            "set it False, or save that memory with --recompute-modules moe_act"),
+    Refused("cpu_offloading", "--cpu-offloading-num-layers", "Transformer Engine's offload context does not reach "
+            "the tensors the grouped experts keep for their backward",
+            "drop it, or save the experts' activation memory with --recompute-modules moe_act"),
+    Refused("overlap_dispatch_backward_with_experts_wgrad", "--overlap-dispatch-backward-with-experts-wgrad",
+            "the grouped experts compute their weight gradients in the main backward", "drop it"),
+    Refused("moe_ncclep_zero_copy", "--moe-ncclep-zero-copy",
+            "the grouped experts write fresh output tensors, not NCCL-EP's buffers", "drop it"),
+    Refused("moe_paged_stash", "--moe-paged-stash", "the grouped experts do not stash their activations in pages",
+            "drop it"),
+)
+
+
 def _is_set(value) -> bool:
     return value not in (None, False, 0)
 
@@ -141,12 +164,18 @@ def megatron_graph_problems(settings) -> list[str]:
     return []
 
 
+def _refusals(settings, rules: tuple[Refused, ...]) -> list[str]:
+    return [f"{rule.field}={getattr(settings, rule.field)!r} ({_spelled(rule.flag, getattr(settings, rule.field))}): "
+            f"{rule.why}; {rule.fix}" for rule in rules if _is_set(getattr(settings, rule.field, None))]
+
+
 def rowwise_problems(settings) -> list[str]:
     """Why the rowwise dispatcher cannot run with `settings` (a TransformerConfig or Megatron's args)."""
-    problems = [f"{rule.field}={getattr(settings, rule.field)!r} "
-                f"({_spelled(rule.flag, getattr(settings, rule.field))}): "
-                f"{rule.why}; {rule.fix}" for rule in ROWWISE_REFUSED if _is_set(getattr(settings, rule.field, None))]
-    problems += megatron_graph_problems(settings)
+    problems = _refusals(settings, ROWWISE_REFUSED) + megatron_graph_problems(settings)
+    if getattr(settings, "transformer_impl", None) == "inference_optimized":
+        problems.append("transformer_impl='inference_optimized' (--transformer-impl inference_optimized): Megatron's "
+                        "MoE layer swaps its own dispatcher back in for inference; use --transformer-impl local or "
+                        "transformer_engine")
     if getattr(settings, "moe_token_dispatcher_type", None) == "flex":
         problems.append("moe_token_dispatcher_type='flex' (--moe-token-dispatcher-type flex): Megatron would build "
                         "its flex (DeepEP/HybridEP) dispatcher first; use alltoall (ignored by the rowwise layer) "
@@ -180,6 +209,7 @@ class ExpertSettings:
     glu_interleave: int | None = None
     recompute_activation: bool = False  # --recompute-granularity selective --recompute-modules moe_act
     offloaded: tuple[str, ...] = ()  # --offload-modules the experts would have to offload
+    refused: tuple[str, ...] = ()  # EXPERT_REFUSED settings that are set, as messages
 
     @staticmethod
     def from_config(config) -> "ExpertSettings":
@@ -188,7 +218,8 @@ class ExpertSettings:
             num_experts=config.num_moe_experts, ep=config.expert_model_parallel_size or 1,
             topk=config.moe_router_topk, probs_on_input=bool(config.moe_apply_probs_on_input),
             glu_interleave=getattr(config, "moe_mlp_glu_interleave_size", None),
-            recompute_activation=_recomputes_activation(config), offloaded=_expert_offloads(config))
+            recompute_activation=_recomputes_activation(config), offloaded=_expert_offloads(config),
+            refused=tuple(_refusals(config, EXPERT_REFUSED)))
 
     @staticmethod
     def from_args(args) -> "ExpertSettings":
@@ -199,7 +230,8 @@ class ExpertSettings:
             ep=getattr(args, "expert_model_parallel_size", 1) or 1, topk=getattr(args, "moe_router_topk", None),
             probs_on_input=bool(getattr(args, "moe_apply_probs_on_input", False)),
             glu_interleave=getattr(args, "moe_mlp_glu_interleave_size", None),
-            recompute_activation=_recomputes_activation(args), offloaded=_expert_offloads(args))
+            recompute_activation=_recomputes_activation(args), offloaded=_expert_offloads(args),
+            refused=tuple(_refusals(args, EXPERT_REFUSED)))
 
 
 EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")  # Megatron 0.19.2's experts' offloads
@@ -239,7 +271,7 @@ def moe_problems(settings: ExpertSettings) -> list[str]:
 def expert_problems(settings: ExpertSettings) -> list[str]:
     """What DeviceOffsetGroupedMLP cannot serve. The rowwise dispatcher refuses these; with
     dispatcher="megatron" the MoE layer builds Megatron's own experts instead (specs.moe_builder)."""
-    problems = []
+    problems = list(settings.refused)
     if settings.etp != 1:
         problems.append(f"the grouped experts are not sharded over tensor parallelism "
                         f"(expert_tensor_parallel_size={settings.etp}, --expert-tensor-parallel-size {settings.etp}); "

@@ -26,6 +26,7 @@ Written against megatron-core 0.19.2.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -37,7 +38,10 @@ from megatron_ext.moe.expert_padding import GemmPadding
 from megatron_ext.moe.expert_recompute import activation_then_fc2
 from megatron_ext.moe.expert_rows import RowGroups, row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import payload_fc1
+from megatron_ext.quiet import warn_once
 from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems
+
+logger = logging.getLogger(__name__)
 
 PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -94,6 +98,11 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         self.fast_path = self.activation.plain_swiglu and not bias and self.padding is None
         # Megatron's --recompute-granularity selective --recompute-modules moe_act
         self.recompute_activation = ExpertSettings.from_config(config).recompute_activation
+        if config.gradient_accumulation_fusion and config.params_dtype != torch.float32:
+            warn_once(logger, "megatron_ext: the grouped experts' weight gradients reach main_grad through DDP's "
+                      "add, rounded once to the parameters' dtype per microbatch (gradient_accumulation_fusion "
+                      "applies to Megatron's own linear layers only: torch._grouped_mm has no fp32 output for "
+                      "16-bit inputs)")
         self._init_weights(pg_collection)
         self._register_load_state_dict_pre_hook(load_sequential_mlp_layout, with_module=True)
 

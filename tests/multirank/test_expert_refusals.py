@@ -1,0 +1,53 @@
+"""Megatron settings the grouped experts or the rowwise layer cannot honor are refused by name, by
+the launcher (Megatron's args) and the Python API (a TransformerConfig) alike; the one they apply
+differently (gradient accumulation fusion) is said once in the log."""
+
+import logging
+from argparse import Namespace
+
+import pytest
+import torch
+
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from megatron_ext.rules import EXPERT_REFUSED, ExpertSettings, expert_problems, rowwise_problems
+from megatron_ext.testing.megatron_moe import moe_config
+
+VALUES = {"fp8": "e4m3", "fp4": "e2m1"}  # the rest are switches
+
+
+@pytest.mark.parametrize("rule", EXPERT_REFUSED, ids=[rule.field for rule in EXPERT_REFUSED])
+def test_each_refused_setting_is_named_with_its_flag_and_the_fix(rule):
+    value = VALUES.get(rule.field, True)
+    problems = expert_problems(ExpertSettings.from_args(Namespace(**{rule.field: value})))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{rule.field}={value!r} ({rule.flag}") and rule.fix in problems[0], problems
+    assert expert_problems(ExpertSettings.from_args(Namespace(**{rule.field: None}))) == []
+
+
+def test_the_experts_refuse_a_transformer_config_with_one():
+    config = moe_config(activation_func_fp8_input_store=True)
+    with pytest.raises(ValueError, match=r"activation_func_fp8_input_store=True .*recompute-modules moe_act"):
+        DeviceOffsetGroupedMLP._check_config(config)
+
+
+def test_inference_optimized_transformer_impl_is_refused_by_the_rowwise_layer():
+    problems = rowwise_problems(Namespace(transformer_impl="inference_optimized"))
+    assert len(problems) == 1 and "--transformer-impl inference_optimized" in problems[0], problems
+    assert rowwise_problems(Namespace(transformer_impl="transformer_engine")) == []
+
+
+def _warnings_when_built(rank, world, fusion, dtype):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_ext.moe.experts").addHandler(handler)
+    DeviceOffsetGroupedMLP(4, moe_config(gradient_accumulation_fusion=fusion, dtype=dtype))
+    return [record.getMessage() for record in records]
+
+
+@pytest.mark.parametrize("fusion,dtype,said", [(True, torch.bfloat16, True), (False, torch.bfloat16, False),
+                                                (True, torch.float32, False)])
+def test_gradient_accumulation_fusion_is_said_once_where_it_changes_rounding(fusion, dtype, said):
+    messages = run_on_ranks(_warnings_when_built, 1, fusion, dtype, sizes=ParallelSizes())[0]
+    assert len([m for m in messages if "gradient_accumulation_fusion" in m]) == int(said), messages
