@@ -97,15 +97,21 @@ def peak_memory(fn: Callable[[], object]) -> dict | None:
     return {"peak_bytes": peak, "peak_above_baseline_bytes": peak - before}
 
 
+def held_after(fn: Callable[[], object]) -> tuple[object, int]:
+    """(fn(), device bytes allocated from before the call to after it): what its result holds,
+    e.g. a forward's output with the autograd graph and everything saved for the backward."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, torch.cuda.memory_allocated() - before
+
+
 def held_for_backward(layer, x, grad_out) -> int:
     """Device bytes one forward of `layer` leaves allocated for its backward (measured while its
     output is alive), then the backward runs (a layer may hold buffers until it has)."""
     x = x.clone().requires_grad_(True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out, _ = layer(x)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before
+    (out, _), held = held_after(lambda: layer(x))
     out.backward(grad_out)
     return held
 

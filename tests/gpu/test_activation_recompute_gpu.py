@@ -7,28 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.bench.measurement import held_after
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, moe_config
-from megatron_ext.testing.reference import MoEWeights
+from tests.gpu import test_graph_runner_gpu as graph_runner_tests
 
 pytestmark = pytest.mark.gpu
-SHAPE = dict(hidden=1024, ffn=512, experts=16, topk=4)
+SHAPE = graph_runner_tests.SHAPE  # the graph-runner tests' layer, and their two module fixtures
+single_rank = graph_runner_tests.single_rank
+weights = graph_runner_tests.weights
 TOKENS = 2048
 RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 VARIANTS = {"swiglu": {}, "geglu": dict(activation_func=F.gelu)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_rank():
-    from megatron_ext.testing.single_rank import init_single_rank_megatron
-
-    init_single_rank_megatron()
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return MoEWeights.random(SHAPE["experts"], SHAPE["hidden"], SHAPE["ffn"], seed=3, dtype=torch.bfloat16)
 
 
 def make_layer(weights, variant, recompute, **ext):
@@ -52,11 +43,7 @@ def step(layer, x, g):
     for p in layer.parameters():
         p.grad = None
     x = x.clone().requires_grad_(True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out, _ = layer(x)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before
+    (out, _), held = held_after(lambda: layer(x))
     out.backward(g)
     grads = [p.grad for p in (layer.experts.fc1_weight, layer.experts.fc2_weight, layer.router.weight)]
     return [out.detach(), x.grad, *grads], held
