@@ -51,6 +51,8 @@ What is measured, per path, after warm-up (medians over all ranks and iterations
 - model TFLOP/s per GPU: useful routed-token expert FLOPs of this rank's tokens (tokens * top-k
   rows, fc1 + fc2, forward+backward = 3x forward; capacity padding not counted) / layer time.
 - peak memory: the highest allocation during one step, above what was allocated before it
+- held memory: what one forward leaves allocated for its backward (buffers and saved tensors;
+  summed over a model's MoE layers, this is what bounded dropless is sized against)
   (and absolute), max over ranks.
 - blocking CUDA calls per step (profiler, max over ranks), dropped routes (rowwise), output
   difference against the first path (same weights and routes: bf16 rounding only unless the
@@ -85,7 +87,7 @@ from megatron_ext.bench.ep_phase_timing import Clock, time_layer, time_phases
 from megatron_ext.bench.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, layer_ratios, mxfp8_vs_bf16,
                                           print_table, same_routes, summarize)
 from megatron_ext.bench.flops import moe_model_flops
-from megatron_ext.bench.measurement import make_step, peak_memory
+from megatron_ext.bench.measurement import held_for_backward, make_step, peak_memory
 from megatron_ext.bench.repo_paths import RESULTS_DIR
 
 
@@ -166,6 +168,8 @@ def run_path(path: str, shape: Shape, args, ranks: Ranks, x, grad_out, outputs: 
     dist.barrier()
     result["layer_ms"] = time_layer(step, clock, args.iters)
     result["memory"] = peak_memory(step)  # None on CPU
+    if result["memory"] is not None and path != "rowwise_symm_graph":  # a replay's memory is the graph's pool
+        result["memory"]["held_for_backward_bytes"] = held_for_backward(layer, x, grad_out)
     result["blocking_cuda_calls"] = blocking_calls(step, ranks.device)
     if path != "rowwise_symm_graph":
         dist.barrier()

@@ -30,6 +30,8 @@ def summarize(per_rank: list[dict], flops: int) -> dict:
     if memories:
         row["peak_above_baseline_bytes_max_rank"] = max(m["peak_above_baseline_bytes"] for m in memories)
         row["peak_bytes_max_rank"] = max(m["peak_bytes"] for m in memories)
+        held = [m["held_for_backward_bytes"] for m in memories if "held_for_backward_bytes" in m]
+        row["held_for_backward_bytes_max_rank"] = max(held) if held else None
     calls = [r["blocking_cuda_calls"] for r in per_rank if r.get("blocking_cuda_calls") is not None]
     row["blocking_cuda_calls_max_rank"] = max(calls) if calls else None
     diffs = [r["out_rel_diff_vs_first_path"] for r in per_rank if r.get("out_rel_diff_vs_first_path") is not None]
@@ -97,7 +99,8 @@ def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes
           f"per rank, {shape.experts} experts, top-{shape.topk}, hidden {shape.hidden}, expert ffn {shape.ffn} "
           f"(SwiGLU); medians over ranks and iterations; same routes on every path: {routes_equal}")
     header = (f"{'path':22s} {'fwd+bwd ms':>10s} {'disp+comb ms':>12s} {'disp f/b ms':>13s} {'comb f/b ms':>13s} "
-              f"{'TFLOP/s':>8s} {'peak+ MiB':>9s} {'syncs':>5s} {'dropped':>8s} {'out diff':>8s} {'row B':>6s}")
+              f"{'TFLOP/s':>8s} {'peak+ MiB':>9s} {'held MiB':>8s} {'syncs':>5s} {'dropped':>8s} {'out diff':>8s} "
+              f"{'row B':>6s}")
     print(header)
     for r in rows:
         if "unavailable" in r or "error" in r:
@@ -108,8 +111,10 @@ def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes
         disp = (f"{phases['dispatch_fwd']:.2f}/{phases['dispatch_bwd']:.2f}" if phases else "-")
         comb = (f"{phases['combine_fwd']:.2f}/{phases['combine_bwd']:.2f}" if phases else "-")
         peak = r.get("peak_above_baseline_bytes_max_rank")
+        held = r.get("held_for_backward_bytes_max_rank")
         print(f"{r['path']:22s} {r['layer_fwd_bwd_ms']:10.2f} {_fmt(r.get('dispatch_combine_ms'), '12.2f'):>12s} "
               f"{disp:>13s} {comb:>13s} {r['tflops_per_gpu']:8.1f} {_fmt(peak and peak / 2**20, '9.0f'):>9s} "
+              f"{_fmt(held and held / 2**20, '8.0f'):>8s} "
               f"{_fmt(r.get('blocking_cuda_calls_max_rank'), 'd'):>5s} "
               f"{_fmt(r.get('dropped_routes_per_step_all_ranks'), '.0f'):>8s} "
               f"{_fmt(r.get('out_rel_diff_vs_first_path_max_rank'), '.1e'):>8s} "

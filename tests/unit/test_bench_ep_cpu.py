@@ -257,6 +257,22 @@ def test_summary_ratio_and_route_check():
     assert same_routes([megatron, symm]) is False
 
 
+def test_summary_takes_the_largest_rank_memory():
+    from megatron_ext.bench.ep_report import summarize
+
+    def rank(peak, held):
+        memory = {"peak_bytes": peak + 100, "peak_above_baseline_bytes": peak}
+        if held is not None:
+            memory["held_for_backward_bytes"] = held
+        return {"path": "rowwise_symm", "routing_digest": "a", "layer_ms": [1.0], "memory": memory,
+                "blocking_cuda_calls": 0, "out_rel_diff_vs_first_path": None}
+
+    row = summarize([rank(10, 7), rank(12, 5)], flops=1)
+    assert (row["peak_above_baseline_bytes_max_rank"], row["peak_bytes_max_rank"]) == (12, 112)
+    assert row["held_for_backward_bytes_max_rank"] == 7
+    assert summarize([rank(10, None)] * 2, flops=1)["held_for_backward_bytes_max_rank"] is None  # graph paths
+
+
 def test_mxfp8_vs_bf16_ratios():
     from megatron_ext.bench.ep_report import mxfp8_vs_bf16
 
