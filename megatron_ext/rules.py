@@ -58,9 +58,6 @@ EXPERT_REFUSED: tuple[Refused, ...] = (
     Refused("activation_func_fp8_input_store", "activation_func_fp8_input_store (TransformerConfig)",
             "the grouped experts keep the activation's input in the parameters' dtype",
             "set it False, or save that memory with --recompute-modules moe_act"),
-    Refused("cpu_offloading", "--cpu-offloading-num-layers", "Transformer Engine's offload context does not reach "
-            "the tensors the grouped experts keep for their backward",
-            "drop it, or save the experts' activation memory with --recompute-modules moe_act"),
     Refused("overlap_dispatch_backward_with_experts_wgrad", "--overlap-dispatch-backward-with-experts-wgrad",
             "the grouped experts compute their weight gradients in the main backward", "drop it"),
     Refused("moe_ncclep_zero_copy", "--moe-ncclep-zero-copy",
@@ -94,13 +91,20 @@ def _megatron_graph_flag(settings) -> str | None:
         ("--external-cuda-graph", bool(getattr(settings, "external_cuda_graph", False)))) if on), None)
 
 
-def _layer_recompute_flag(settings) -> str | None:
-    """Megatron's recompute of whole MoE layers (selective `moe`) or whole transformer layers (full)."""
+def _layer_recompute(settings) -> tuple[str, str] | None:
+    """Megatron's recompute of whole MoE layers (selective `moe`, or the deprecated
+    --moe-layer-recompute that the TransformerConfig turns into it) or of whole transformer layers
+    (full), as (flag, why the graph runner cannot serve it)."""
     granularity = getattr(settings, "recompute_granularity", None)
     if granularity == "full":
-        return "--recompute-granularity full"
-    if granularity == "selective" and "moe" in (getattr(settings, "recompute_modules", None) or ()):
-        return "--recompute-modules moe"
+        return ("--recompute-granularity full", "the graph runner has not been run inside Megatron's full-layer "
+                "recompute, which would replay the layer's graphs during the backward")
+    modules = getattr(settings, "recompute_modules", None) or ()
+    for flag, on in (("--recompute-modules moe", granularity == "selective" and "moe" in modules),
+                     ("--moe-layer-recompute", bool(getattr(settings, "moe_layer_recompute", False)))):
+        if on:
+            return flag, ("the graph runner replays the MoE layer without Megatron's checkpoint around it, so the "
+                          "layer would not be recomputed")
     return None
 
 
@@ -112,12 +116,10 @@ def graph_runner_clash(settings, ext) -> list[str]:
         return getattr(ext, field, getattr(ext, f"moe_ext_{field}", None))
 
     problems = []
-    recompute_flag = _layer_recompute_flag(settings)
-    if ext_value("cuda_graphs") and recompute_flag:
-        problems.append(f"{recompute_flag} with --moe-ext-cuda-graphs: the graph runner replays the MoE layer "
-                        f"with what its forward saves kept in the graph's memory, so Megatron's recompute of the "
-                        f"layer would not save it; drop one (--recompute-modules moe_act works with the graph "
-                        f"runner)")
+    recompute = _layer_recompute(settings)
+    if ext_value("cuda_graphs") and recompute:
+        problems.append(f"{recompute[0]} with --moe-ext-cuda-graphs: {recompute[1]}; drop one "
+                        f"(--recompute-modules moe_act works with the graph runner)")
     graph_flag = _megatron_graph_flag(settings)
     if not graph_flag:
         return problems
@@ -219,7 +221,7 @@ class ExpertSettings:
             topk=config.moe_router_topk, probs_on_input=bool(config.moe_apply_probs_on_input),
             glu_interleave=getattr(config, "moe_mlp_glu_interleave_size", None),
             recompute_activation=_recomputes_activation(config), offloaded=_expert_offloads(config),
-            refused=tuple(_refusals(config, EXPERT_REFUSED)))
+            refused=tuple(_refusals(config, EXPERT_REFUSED) + _cpu_offloading(config)))
 
     @staticmethod
     def from_args(args) -> "ExpertSettings":
@@ -231,7 +233,7 @@ class ExpertSettings:
             probs_on_input=bool(getattr(args, "moe_apply_probs_on_input", False)),
             glu_interleave=getattr(args, "moe_mlp_glu_interleave_size", None),
             recompute_activation=_recomputes_activation(args), offloaded=_expert_offloads(args),
-            refused=tuple(_refusals(args, EXPERT_REFUSED)))
+            refused=tuple(_refusals(args, EXPERT_REFUSED) + _cpu_offloading(args)))
 
 
 EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")  # Megatron 0.19.2's experts' offloads
@@ -241,6 +243,17 @@ def _recomputes_activation(settings) -> bool:
     """Megatron's selective recompute of the MoE activation (TransformerConfig or args, same names)."""
     return getattr(settings, "recompute_granularity", None) == "selective" \
         and "moe_act" in (getattr(settings, "recompute_modules", None) or ())
+
+
+def _cpu_offloading(settings) -> list[str]:
+    """Transformer Engine's CPU offloading: `cpu_offloading` on a TransformerConfig; on Megatron's
+    args, before its validate_args sets that, `--cpu-offloading-num-layers`."""
+    layers = getattr(settings, "cpu_offloading_num_layers", 0) or 0
+    if not (getattr(settings, "cpu_offloading", False) or layers > 0):
+        return []
+    return [f"cpu_offloading (--cpu-offloading-num-layers {layers}): Transformer Engine's offload context does not "
+            f"reach the tensors the grouped experts keep for their backward; drop it, or save the experts' "
+            f"activation memory with --recompute-modules moe_act"]
 
 
 def _expert_offloads(settings) -> tuple[str, ...]:

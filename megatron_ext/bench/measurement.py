@@ -108,8 +108,9 @@ def held_after(fn: Callable[[], object]) -> tuple[object, int]:
 
 
 def held_for_backward(layer, x, grad_out) -> int:
-    """Device bytes one forward of `layer` leaves allocated for its backward (measured while its
-    output is alive), then the backward runs (a layer may hold buffers until it has)."""
+    """Device bytes one forward of `layer` leaves allocated for its backward, its output included
+    (measured while the output is alive), then the backward runs (a layer may hold buffers until
+    it has)."""
     x = x.clone().requires_grad_(True)
     (out, _), held = held_after(lambda: layer(x))
     out.backward(grad_out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 class _RecomputedActivationFc2(torch.autograd.Function):
@@ -27,6 +28,7 @@ class _RecomputedActivationFc2(torch.autograd.Function):
         return torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
+    @once_differentiable  # a double backward is refused loudly, not given without its graph
     def backward(ctx, grad_out):
         h, probs, fc2_weight, valid_rows, offsets = ctx.saved_tensors
         need_h, need_probs, need_fc2 = ctx.needs_input_grad[:3]

@@ -135,6 +135,8 @@ def test_layer_recompute_with_the_graph_runner_is_refused_by_name():
         problems = graph_runner_clash(settings, graphs)
         assert len(problems) == 1 and problems[0].startswith(f"{flag} with --moe-ext-cuda-graphs"), problems
         assert graph_runner_clash(settings, MoEExtConfig()) == []
+    deprecated = graph_runner_clash(SimpleNamespace(moe_layer_recompute=True), graphs)  # the launcher's args
+    assert len(deprecated) == 1 and deprecated[0].startswith("--moe-layer-recompute with --moe-ext-cuda-graphs")
     moe_act = SimpleNamespace(recompute_granularity="selective", recompute_modules=["moe_act"])
     assert graph_runner_clash(moe_act, graphs) == []
     message = run_on_ranks(_build_graphed_with_moe_recompute, 1, sizes=ParallelSizes())[0]
@@ -146,3 +148,18 @@ def _build_graphed_with_moe_recompute(rank, world):
     with pytest.raises(ValueError) as refused:
         moe_builder(MoEExtConfig(transport="symm", cuda_graphs=True))(config=config)
     return str(refused.value)
+
+
+def test_a_double_backward_through_the_recompute_node_is_refused_not_given_wrong():
+    """Its backward runs autograd inside; second derivatives would miss the recomputed graph."""
+    from megatron_ext.moe.expert_recompute import activation_then_fc2
+
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(ROWS, 8, generator=gen, requires_grad=True)
+    fc2 = torch.randn(len(COUNTS), 4, 8, generator=gen)  # rows of 16-byte multiples (torch._grouped_mm)
+    offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32)
+    out = activation_then_fc2(lambda x, valid, probs: torch.nn.functional.gelu(x), h, offsets[-1], None, fc2, offsets)
+    grad_out = torch.randn(out.shape, generator=gen, requires_grad=True)
+    (grad_h,) = torch.autograd.grad(out, h, grad_out, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_h.sum().backward()

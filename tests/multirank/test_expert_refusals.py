@@ -51,3 +51,12 @@ def _warnings_when_built(rank, world, fusion, dtype):
 def test_gradient_accumulation_fusion_is_said_once_where_it_changes_rounding(fusion, dtype, said):
     messages = run_on_ranks(_warnings_when_built, 1, fusion, dtype, sizes=ParallelSizes())[0]
     assert len([m for m in messages if "gradient_accumulation_fusion" in m]) == int(said), messages
+
+
+def test_cpu_offloading_is_refused_from_megatrons_args_and_from_a_config():
+    # On the launcher's args only --cpu-offloading-num-layers exists yet (validate_args sets cpu_offloading later).
+    for settings in (Namespace(cpu_offloading_num_layers=2),
+                     Namespace(cpu_offloading=True, cpu_offloading_num_layers=0)):
+        problems = expert_problems(ExpertSettings.from_args(settings))
+        assert len(problems) == 1 and problems[0].startswith("cpu_offloading (--cpu-offloading-num-layers"), problems
+    assert expert_problems(ExpertSettings.from_args(Namespace(cpu_offloading_num_layers=0))) == []
