@@ -17,6 +17,7 @@ activations per layer; cost accepted: one more SwiGLU forward (memory bound) in 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from megatron_ext.kernels.swiglu import swiglu_backward, swiglu_forward
 
@@ -34,6 +35,7 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         return torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
+    @once_differentiable  # the intermediates on ctx carry no graph: a double backward is refused, not wrong
     def backward(ctx, grad_out):
         hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
         if ctx.intermediates is None:

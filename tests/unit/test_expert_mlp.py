@@ -116,3 +116,15 @@ def test_the_activation_lives_through_both_of_fc2s_gradient_gemms():
     with RecordGemms():
         out.backward(grad_out)
     assert alive_at_gemm == [True, True, False, False], alive_at_gemm
+
+
+def test_a_double_backward_is_refused_not_given_wrong():
+    """fc1's output and the activation live on the node without a graph: second derivatives through
+    them would be missing."""
+    x, fc1, fc2, probs, grad_out, counts = _inputs()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    x_leaf = x.clone().requires_grad_(True)
+    out = swiglu_grouped_mlp(x_leaf, fc1, fc2, offsets, probs)
+    (grad_x,) = torch.autograd.grad(out, x_leaf, grad_out.clone().requires_grad_(True), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_x.sum().backward()
