@@ -73,7 +73,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         super().__init__()
         from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-        self._check_config(config)
+        settings = self._check_config(config)
         self.config = config
         self.num_local_experts = num_local_experts
         self.debug_checks = debug_checks
@@ -97,7 +97,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         self.padding = GemmPadding.needed(hidden, ffn, config.params_dtype, self.activation.gated)
         self.fast_path = self.activation.plain_swiglu and not bias and self.padding is None
         # Megatron's --recompute-granularity selective --recompute-modules moe_act
-        self.recompute_activation = ExpertSettings.from_config(config).recompute_activation
+        self.recompute_activation = settings.recompute_activation
         if config.gradient_accumulation_fusion and config.params_dtype != torch.float32:
             warn_once(logger, "megatron_ext: the grouped experts' weight gradients reach main_grad through DDP's "
                       "add, rounded once to the parameters' dtype per microbatch (gradient_accumulation_fusion "
@@ -107,20 +107,24 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         self._register_load_state_dict_pre_hook(load_sequential_mlp_layout, with_module=True)
 
     @staticmethod
-    def unsupported(config) -> list[str]:
+    def unsupported(config, settings: ExpertSettings | None = None) -> list[str]:
         """Why these experts cannot serve `config` where Megatron's experts can (empty: they can).
-        With dispatcher="megatron" the MoE layer builds Megatron's experts instead (specs.moe_builder)."""
-        problems = expert_problems(ExpertSettings.from_config(config))
+        With dispatcher="megatron" the MoE layer builds Megatron's experts instead (specs.moe_builder).
+        `settings`: ExpertSettings.from_config(config) where the caller has them already."""
+        problems = expert_problems(settings or ExpertSettings.from_config(config))
         if config.params_dtype not in PARAM_DTYPES:
             problems.append(f"params_dtype={config.params_dtype}: the grouped experts run bf16 (--bf16), fp16 "
                             f"(--fp16) or fp32 (neither flag) parameters")
         return problems
 
     @staticmethod
-    def _check_config(config) -> None:
-        problems = moe_problems(ExpertSettings.from_config(config)) + DeviceOffsetGroupedMLP.unsupported(config)
+    def _check_config(config) -> ExpertSettings:
+        """The settings these experts run with; raises with every problem at once."""
+        settings = ExpertSettings.from_config(config)
+        problems = moe_problems(settings) + DeviceOffsetGroupedMLP.unsupported(config, settings)
         if problems:
             raise ValueError("DeviceOffsetGroupedMLP cannot run with:\n  - " + "\n  - ".join(problems))
+        return settings
 
     def _init_weights(self, pg_collection) -> None:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
