@@ -76,6 +76,14 @@ FLAGS: tuple[ExtFlag, ...] = (
             help="Routes beyond the capacity: drop (fair policy, counted in the metrics) or error (bounded "
                  "dropless: capacity from --moe-ext-capacity-factor, no route dropped silently; an overflow stops "
                  "training at the next logging interval with the layer, the count and what to raise)."),
+    ExtFlag("dropless_arena", "--moe-ext-dropless-arena", "on",
+            help="Bounded dropless with one budget for the MoE layers of a microbatch (regions and spill): "
+                 "--moe-ext-capacity-factor * T_max * top_k rows per layer on average, shared by the layers; "
+                 "routes beyond the budget follow --moe-ext-on-overflow. Implies the experts' activation "
+                 "recompute; SwiGLU experts without biases; torch or symm transport; no MXFP8 or graphs."),
+    ExtFlag("arena_region_factor", "--moe-ext-arena-region-factor", "value", type=float, metavar="RF",
+            help="Rows of each MoE layer's own region in the arena, in T_max * top_k units (at most "
+                 "--moe-ext-capacity-factor); the rest of the budget is the area loads above it spill into."),
     ExtFlag("max_tokens_per_rank", "--moe-ext-max-tokens-per-rank", "value", type=int, metavar="T_MAX",
             help="Tokens a rank holds in one microbatch (T_max). Default: fixed from the first "
                  "microbatch's shape, which is static in Megatron training.", default_text="auto (first microbatch)"),

@@ -31,6 +31,14 @@ class MoEExtConfig:
         buffers), no route may be dropped, and an overflow stops training with a clear error at
         the next check (`RowwiseMoELayer.check_overflow`, run by megatron_ext.training_hooks
         every logging interval: one host read, never per layer).
+    dropless_arena: bounded dropless with one budget for the MoE layers of a microbatch
+        (moe/arena.py, "regions and spill"): capacity_factor * T_max * K rows per layer on average,
+        shared by the layers (a layer may take more where another takes less); routes beyond the
+        microbatch's budget follow on_overflow. Needs the layers attached to their arena
+        (megatron_ext.moe.arena.attach_arenas; megatron.training runs do it at the first step),
+        implies the experts' activation recompute, and runs the SwiGLU experts without biases.
+    arena_region_factor: rows of each layer's own region in the arena, in T_max * K units (at most
+        capacity_factor); the rest of the budget is the shared area that loads above it spill into.
     max_tokens_per_rank: T_max, the static number of tokens a rank holds in one microbatch;
         None fixes it from the first forward's input shape (static in Megatron training).
     mxfp8_dispatch: carry dispatched rows as MXFP8 (E4M3 + E8M0 per 32 values).
@@ -63,6 +71,8 @@ class MoEExtConfig:
     capacity_factor: float = 1.25
     dropless: bool = False
     on_overflow: str = "drop"
+    dropless_arena: bool = False
+    arena_region_factor: float = 1.0
     max_tokens_per_rank: int | None = None
     mxfp8_dispatch: bool = False
     cuda_graphs: bool = False
@@ -78,7 +88,7 @@ class MoEExtConfig:
     pin_host_threads: bool = False
 
     def __post_init__(self):
-        for name in ("dropless", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison", "debug_checks",
+        for name in ("dropless", "dropless_arena", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison", "debug_checks",
                      "fused_route_map", "fused_router", "pin_host_threads"):
             _require_type(name, getattr(self, name), bool, "True or False")
         for name in ("metrics_interval", "replica_check_interval", "lease_slots"):
@@ -86,6 +96,7 @@ class MoEExtConfig:
         if self.max_tokens_per_rank is not None:
             _require_type("max_tokens_per_rank", self.max_tokens_per_rank, int, "an integer or None")
         _require_type("capacity_factor", self.capacity_factor, (int, float), "a number such as 1.25")
+        _require_type("arena_region_factor", self.arena_region_factor, (int, float), "a number such as 1.0")
         if self.peer_timeout_s is not None:
             _require_type("peer_timeout_s", self.peer_timeout_s, (int, float), "a number of seconds or None")
             if not (self.peer_timeout_s > 0 and math.isfinite(self.peer_timeout_s)):
@@ -102,6 +113,8 @@ class MoEExtConfig:
         if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"capacity_factor must be > 0 and finite, got {self.capacity_factor}; "
                              f"use e.g. 1.25, or dropless=True to never drop routes")
+        if self.dropless_arena:
+            self._check_arena()
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1 (or None), got {self.max_tokens_per_rank}")
         if self.metrics_interval < 0:
@@ -129,6 +142,21 @@ class MoEExtConfig:
                 raise ValueError(f"transport={self.transport!r} only applies to dispatcher='rowwise'; "
                                  f"dispatcher='megatron' moves tokens with Megatron's moe_token_dispatcher_type "
                                  f"(leave transport='auto')")
+
+    def _check_arena(self) -> None:
+        if self.dropless:
+            raise ValueError("dropless_arena bounds the buffers by one budget per microbatch; dropless=True sizes "
+                             "every layer for the worst case instead: choose one")
+        if not 0 < self.arena_region_factor <= self.capacity_factor:
+            raise ValueError(f"arena_region_factor must be > 0 and at most capacity_factor ({self.capacity_factor}): "
+                             f"the regions are part of the budget; got {self.arena_region_factor}")
+        for name, wrong, why in (
+                ("dispatcher", self.dispatcher != "rowwise", "the arena holds the rowwise dispatcher's buffers"),
+                ("transport", self.transport == "deepep", "DeepEP owns its receive buffers"),
+                ("mxfp8_dispatch", self.mxfp8_dispatch, "the arena keeps BF16 rows (not built for MXFP8 payloads)"),
+                ("cuda_graphs", self.cuda_graphs, "the graph runner is not built for the arena yet")):
+            if wrong:
+                raise ValueError(f"dropless_arena cannot run with {name}={getattr(self, name)!r}: {why}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -120,7 +120,13 @@ def graph_runner_clash(settings, ext) -> list[str]:
     if ext_value("cuda_graphs") and recompute:
         problems.append(f"{recompute[0]} with --moe-ext-cuda-graphs: {recompute[1]}; drop one "
                         f"(--recompute-modules moe_act works with the graph runner)")
+    if ext_value("dropless_arena") and recompute:
+        problems.append(f"{recompute[0]} with --moe-ext-dropless-arena: the recomputed layers would run out of "
+                        f"their model order, which the arena's regions follow; drop one (--recompute-modules moe_act "
+                        f"is what the arena runs anyway)")
     graph_flag = _megatron_graph_flag(settings)
+    if ext_value("dropless_arena") and graph_flag:
+        problems.append(f"{graph_flag} with --moe-ext-dropless-arena: CUDA graphs are not built for the arena yet")
     if not graph_flag:
         return problems
     if ext_value("cuda_graphs"):

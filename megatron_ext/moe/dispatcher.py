@@ -56,6 +56,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.top_idx: torch.Tensor | None = None
         self.selection: fused_routes.Selection | None = None  # from dispatch_preprocess to token_dispatch
         self.payload = None  # MXFP8 payload between token_dispatch and dispatch_postprocess
+        self.arena_layer = None  # moe/arena.ArenaLayer with dropless_arena (set by attach_arenas)
+        self.arena_rows = None  # this forward's rows in the arena, from token_dispatch to dispatch_postprocess
         self.cudagraph_attrs = ["route_map", "top_idx"]
 
     @property
@@ -71,9 +73,22 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
                 f"sized for max_tokens_per_rank={self.max_tokens}; raise --moe-ext-max-tokens-per-rank "
                 f"(MoEExtConfig.max_tokens_per_rank) to at least {num_tokens}")
         if self.transport is None:
-            capacity = rank_capacity(self.max_tokens, self.topk, self.ep_size,
-                                     self.ext_config.capacity_factor, self.ext_config.dropless)
+            if self.ext_config.dropless_arena:
+                capacity = self._arena_capacity()
+            else:
+                capacity = rank_capacity(self.max_tokens, self.topk, self.ep_size,
+                                         self.ext_config.capacity_factor, self.ext_config.dropless)
             self.transport = make_transport(self.ext_config, self.ep_group, capacity, device)
+            if self.arena_layer is not None:
+                self.transport.slot_source = self.arena_layer.lease
+
+    def _arena_capacity(self) -> int:
+        if self.arena_layer is None:
+            raise RuntimeError("dropless_arena: this MoE layer has no arena; call "
+                               "megatron_ext.moe.arena.attach_arenas(model) once the model is built (megatron.training "
+                               "runs under megatron_ext do it at the first step)")
+        self.arena_layer.arena.configure(self.max_tokens, self.topk)
+        return self.arena_layer.capacity
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Tokens keep their [S, B, H] shape (the dispatch node flattens them, no view node)."""
@@ -91,7 +106,14 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
         gather_counts = getattr(self.transport, "gather_counts", None)
-        if self.selection is not None:
+        if self.arena_layer is not None:  # the plan's capacities come from the microbatch's arena
+            self._allocate_arena(hidden)
+            self.route_map = route(self.top_idx, self.num_experts, self.capacity, group, gather_counts=gather_counts,
+                                   probs=probs, dest_capacity=self.arena_layer.capacities(),
+                                   ep_rank=getattr(self.transport, "rank", None))
+            self.arena_rows = self.arena_layer.advance(self.route_map.metrics.kept_per_expert)
+            self.selection = None
+        elif self.selection is not None:
             self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
                                                 need_row_source=getattr(self.transport, "reads_row_source", True))
             self.selection = None
@@ -110,11 +132,21 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.routes_per_step = self.top_idx.numel()
         return buffer, row_probs
 
+    def _allocate_arena(self, hidden: torch.Tensor) -> None:
+        """The arena's storage, at the first dispatch (collective with the symm transport's heap)."""
+        transport = self.transport
+        heap = getattr(transport, "heap", None)
+        world = getattr(transport, "world", self.ep_size)
+        rank = getattr(transport, "rank", None)
+        if rank is None:
+            rank = self.ep_group.rank() if self.ep_size > 1 else 0
+        self.arena_layer.arena.allocate(heap, world, rank, hidden.shape[-1], hidden.dtype, hidden.device)
+
     def dispatch_postprocess(self, hidden: torch.Tensor, row_probs: torch.Tensor):
         # Counts and end offsets stay on the device. An MXFP8 payload goes with them, explicitly
         # (never as an attribute of `hidden`).
-        groups = RowGroups(self.route_map.recv_counts, self.route_map.recv_offsets, self.payload)
-        self.payload = None
+        groups = RowGroups(self.route_map.recv_counts, self.route_map.recv_offsets, self.payload, self.arena_rows)
+        self.payload = self.arena_rows = None
         return hidden, groups, row_probs
 
     def combine_preprocess(self, hidden: torch.Tensor) -> torch.Tensor:

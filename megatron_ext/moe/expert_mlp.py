@@ -24,26 +24,40 @@ from megatron_ext.kernels.swiglu import swiglu_backward, swiglu_forward
 
 class _SwiGLUGroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs, recompute_activation: bool):
+    def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs, recompute_activation: bool, arena):
         valid_rows = offsets[-1]
         fc1_out = torch._grouped_mm(hidden, fc1_weight.transpose(1, 2), offs=offsets)
         act = swiglu_forward(fc1_out, valid_rows, probs)
-        ctx.save_for_backward(hidden, fc1_weight, fc2_weight, offsets, probs)
-        # The two intermediates live on ctx, not in saved_tensors, so backward can drop each as
-        # soon as its last reader has run: peak memory as in torch's own three-node backward.
-        ctx.intermediates = [fc1_out, None if recompute_activation else act]
+        ctx.arena = arena
+        if arena is None:
+            ctx.save_for_backward(hidden, fc1_weight, fc2_weight, offsets, probs)
+            # The two intermediates live on ctx, not in saved_tensors, so backward can drop each as
+            # soon as its last reader has run: peak memory as in torch's own three-node backward.
+            ctx.intermediates = [fc1_out, None if recompute_activation else act]
+        else:  # moe/arena.py: the rows stay in the arena, fc1's output moves there, the activation is recomputed
+            arena.keep_inputs(valid_rows)
+            arena.keep_fc1(fc1_out, valid_rows)
+            ctx.save_for_backward(fc1_weight, fc2_weight, offsets)
+            ctx.arena_inputs = (hidden, probs)  # on ctx: the arena's copies write their storage (version counter)
+            ctx.intermediates = [None, None]
+            del fc1_out
         return torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
     @once_differentiable  # the intermediates on ctx carry no graph: a double backward is refused, not wrong
     def backward(ctx, grad_out):
-        hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
         if ctx.intermediates is None:
             raise RuntimeError("backward ran twice through the grouped experts (retain_graph=True); their "
                                "intermediates are released by the first backward: run the forward again")
         fc1_out, act = ctx.intermediates
         ctx.intermediates = None
-        need_hidden, need_fc1, need_fc2, _, need_probs, _ = ctx.needs_input_grad
+        if ctx.arena is None:
+            hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
+        else:
+            (fc1_weight, fc2_weight, offsets), (hidden, probs) = ctx.saved_tensors, ctx.arena_inputs
+            ctx.arena.restore_inputs()
+            fc1_out = ctx.arena.restore_fc1()
+        need_hidden, need_fc1, need_fc2, _, need_probs, _, _ = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
         need_act_grad = need_hidden or need_fc1 or need_probs
         if act is None and need_fc2:  # recomputed, alive through both fc2 GEMMs as if it had been kept
@@ -56,20 +70,24 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         grad_fc2 = torch._grouped_mm(grad_out.t(), act, offs=offsets) if need_fc2 else None
         del act
         if not need_act_grad:
-            return None, None, grad_fc2, None, None, None
+            return None, None, grad_fc2, None, None, None, None
         grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1])
         del grad_act, fc1_out
         grad_hidden = torch._grouped_mm(grad_fc1_out, fc1_weight, offs=offsets) if need_hidden else None
         grad_fc1 = torch._grouped_mm(grad_fc1_out.t(), hidden, offs=offsets) if need_fc1 else None
-        return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None, None
+        return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None, None, None
 
 
 def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
                        offsets: torch.Tensor, probs: torch.Tensor | None = None,
-                       recompute_activation: bool = False) -> torch.Tensor:
+                       recompute_activation: bool = False, arena=None) -> torch.Tensor:
     """fc2(swiglu(fc1(hidden)) [* probs]) per expert on rows < offsets[-1]: hidden [rows, H], fc1
     [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F], int32 end offsets [L], probs [rows] fp32.
     Rows at or past offsets[-1] are never read; their outputs and gradients are not defined.
-    `recompute_activation`: keep fc1's output only and run the activation again in the backward."""
+    `recompute_activation`: keep fc1's output only and run the activation again in the backward.
+    `arena` (moe/arena.ArenaRows): `hidden` and `probs` are that arena's view; fc1's output is kept
+    there and the activation recomputed."""
+    if arena is not None and not hidden.is_contiguous():
+        raise ValueError("the arena's rows are read in place: hidden must be the arena's (contiguous) view")
     return _SwiGLUGroupedMLP.apply(hidden.contiguous(), fc1_weight, fc2_weight, offsets, probs,
-                                   recompute_activation)
+                                   recompute_activation or arena is not None, arena)

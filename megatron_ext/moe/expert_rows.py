@@ -17,11 +17,12 @@ class RowGroups:
     """What the rowwise dispatcher hands the experts as `tokens_per_expert` (the argument Megatron's
     MoELayer passes through): rows per local expert and their int32 end offsets, both on the device
     and both from the route map (so the experts run no cumsum of their own), and the MXFP8 payload
-    (moe/mxfp8_dispatch.py) when rows travel as MXFP8."""
+    (moe/mxfp8_dispatch.py) when rows travel as MXFP8, or where the rows live in a dropless arena."""
 
     counts: torch.Tensor  # [L] int32
     offsets: torch.Tensor  # [L] int32, torch._grouped_mm's end offsets
     payload: object = None  # an MXFP8Payload, or None for rows in the experts' dtype
+    arena: object = None  # moe/arena.ArenaRows when the rows live in a dropless arena
 
 
 def valid_row_mask(valid_rows: torch.Tensor, rows: int) -> torch.Tensor:

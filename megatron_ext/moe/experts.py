@@ -158,17 +158,37 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         if hidden.dtype != self.fc1_weight.dtype:
             raise TypeError(f"hidden dtype {hidden.dtype} differs from expert weights {self.fc1_weight.dtype}; "
                             f"cast the input or build the experts with params_dtype={hidden.dtype}")
+        arena = None
         if isinstance(tokens_per_expert, RowGroups):  # the rowwise dispatcher: offsets (and payload) given
-            offsets, payload = tokens_per_expert.offsets, tokens_per_expert.payload
+            offsets, payload, arena = tokens_per_expert.offsets, tokens_per_expert.payload, tokens_per_expert.arena
         else:  # Megatron's dispatchers: counts
             offsets, payload = counts_to_offsets(tokens_per_expert, hidden.device), None
-        return self.forward_offsets(hidden, offsets, permuted_probs, payload), None
+        return self.forward_offsets(hidden, offsets, permuted_probs, payload, arena), None
+
+    def arena_problems(self) -> list[str]:
+        """Why these experts cannot keep their rows in a dropless arena (moe/arena.py; empty: they can)."""
+        problems = []
+        if not self.fast_path:
+            problems.append("the dropless arena runs SwiGLU experts without biases whose sizes are multiples of "
+                            "16 bytes (the grouped experts' fast path); these need their general path")
+        if self.config.moe_apply_probs_on_input:
+            problems.append("moe_apply_probs_on_input scales a copy of the rows, which the arena does not hold")
+        return problems
 
     def forward_offsets(self, hidden: torch.Tensor, offsets: torch.Tensor,
-                        probs: torch.Tensor | None = None, payload=None) -> torch.Tensor:
+                        probs: torch.Tensor | None = None, payload=None, arena=None) -> torch.Tensor:
         """Experts on device int32 end offsets [L]; rows >= offsets[-1] are never read.
-        `payload` (an MXFP8Payload) replaces `hidden`'s values in fc1; `hidden` keeps the gradient edge."""
+        `payload` (an MXFP8Payload) replaces `hidden`'s values in fc1; `hidden` keeps the gradient edge.
+        `arena` (moe/arena.ArenaRows): the rows and probabilities are a dropless arena's view."""
         self._check_offsets(offsets, hidden)
+        if arena is not None:
+            problems = self.arena_problems()
+            if problems or payload is not None or probs is None:
+                raise ValueError("the grouped experts cannot keep these rows in the dropless arena:\n  - "
+                                 + "\n  - ".join(problems or ["the arena's rows come with their probabilities "
+                                                              "and without an MXFP8 payload"]))
+            return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs.reshape(-1),
+                                      arena=arena)
         if probs is not None:
             if self.config.moe_apply_probs_on_input:  # as SequentialMLP: (p * x).to(x.dtype), then p = 1
                 hidden = (probs.reshape(-1, 1) * hidden).to(hidden.dtype)

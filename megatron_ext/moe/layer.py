@@ -54,6 +54,9 @@ class RowwiseMoELayer(MoELayer):
             raise TypeError(f"RowwiseMoELayer feeds capacity buffers with device offsets to its experts; "
                             f"{type(self.experts).__name__} cannot read them. Build the layer from "
                             f"megatron_ext.specs (experts=DeviceOffsetGroupedMLP).")
+        if ext_config.dropless_arena and self.experts.arena_problems():
+            raise ValueError("dropless_arena: the experts cannot keep their rows in the arena:\n  - "
+                             + "\n  - ".join(self.experts.arena_problems()))
         self.ext_config = ext_config
         self.token_dispatcher = RowwiseTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config, ext_config,

@@ -100,8 +100,11 @@ def check_plan(num_ranks: int, num_experts: int, capacity: int) -> None:
                          f"choose num_experts divisible by the expert-parallel size")
 
 
-def plan_keep(requested: torch.Tensor, capacity: int) -> torch.Tensor:
+def plan_keep(requested: torch.Tensor, capacity: int | torch.Tensor) -> torch.Tensor:
     """How many routes each (source rank, expert) bucket keeps: [M, E] int32.
+
+    `capacity`: rows every destination may receive (a host int), or [M] rows per destination
+    on the device (the arena's, moe/arena.py: what is left of a shared budget differs by rank).
 
     `requested[s, e]` is the number of routes source rank s sends to global expert e.
     Experts are sharded contiguously: destination rank d owns experts d*L .. d*L+L-1
@@ -124,7 +127,11 @@ def plan_keep(requested: torch.Tensor, capacity: int) -> torch.Tensor:
     assign the remainder with a cumsum over the rotated "still wanting" mask.
     """
     m, num_experts = requested.shape
-    check_plan(m, num_experts, capacity)
+    if torch.is_tensor(capacity):
+        check_plan(m, num_experts, 0)
+        capacity = capacity.to(device=requested.device, dtype=torch.long).view(m, 1)
+    else:
+        check_plan(m, num_experts, capacity)
     req = _buckets_per_destination(requested.long())  # [M, n]
     n = req.shape[1]
     total = req.sum(1, keepdim=True)  # [M, 1]
@@ -247,17 +254,20 @@ def exchange_counts(counts: torch.Tensor, group=None, gather_counts=None, ep_ran
 
 
 def route(top_idx: torch.Tensor, num_experts: int, capacity: int, group=None,
-          gather_counts=None, ep_rank: int | None = None, probs: torch.Tensor | None = None) -> RouteMap:
+          gather_counts=None, ep_rank: int | None = None, probs: torch.Tensor | None = None,
+          dest_capacity: torch.Tensor | None = None) -> RouteMap:
     """Count, all-gather over the EP group, plan the keep decision, build this rank's map.
 
     The torch form: CPU ranks, tests and `fused_route_map=False`; GPUs run the same plan in
     Triton kernels (moe/fused_routes.py). `gather_counts(counts [E]) -> [M, E]` replaces the
     NCCL/gloo all-gather (the symm transport exchanges counts over symmetric memory); `ep_rank`
     then names this rank when no process group does (simulated peers in tests). `probs` [T, K],
-    when given, feeds the nonfinite_routes metric.
+    when given, feeds the nonfinite_routes metric. `dest_capacity` [M] (device): rows each
+    destination may keep, at most `capacity` (the buffer's rows); None: `capacity` for all.
     """
     requested_all, ep_rank = exchange_counts(count_routes(top_idx, num_experts), group, gather_counts, ep_rank)
-    return build_route_map(top_idx, requested_all, plan_keep(requested_all, capacity), ep_rank, capacity, probs)
+    keep = plan_keep(requested_all, capacity if dest_capacity is None else dest_capacity)
+    return build_route_map(top_idx, requested_all, keep, ep_rank, capacity, probs)
 
 
 def check_route_map(route_map: RouteMap, top_idx: torch.Tensor, num_experts: int, capacity: int, ep_size: int) -> None:

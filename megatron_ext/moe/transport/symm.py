@@ -67,6 +67,7 @@ class SymmRowTransport:
         self.lease_slots = lease_slots
         self.poison = poison
         self.pool: LeasePool | None = None
+        self.slot_source = None  # a callable returning the dispatch slot's lease instead of the pool (moe/arena.py)
         self._local_tables: dict[str, torch.Tensor] = {}
         self._values_scratch: dict[tuple, SymmetricBuffer] = {}
         self._counts: SymmetricBuffer | None = None
@@ -122,8 +123,11 @@ class SymmRowTransport:
         return self._counts.local.view(torch.int32)
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
-        self._ensure_buffers(tokens.shape[1], tokens.dtype, tokens.device)
-        lease = self.pool.acquire()
+        if self.slot_source is not None:
+            lease = self.slot_source()
+        else:
+            self._ensure_buffers(tokens.shape[1], tokens.dtype, tokens.device)
+            lease = self.pool.acquire()
         slot = lease.buffer
         put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, slot.peer_table,
                  route_values=probs.float().contiguous(), value_table=slot.values_table, capacity=self.capacity)

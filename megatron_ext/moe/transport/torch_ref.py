@@ -27,6 +27,7 @@ class TorchRowTransport:
         self.capacity = capacity
         self.poison_tail = poison_tail
         self.timeout_s = timeout_s  # the process group's own timeout bounds the wait; named in errors
+        self.slot_source = None  # a callable returning an arena lease to place the rows in (moe/arena.py)
 
     def _exchange(self, send: torch.Tensor, phase: str) -> torch.Tensor:
         """[M * C, H] blocks out, [M * C, H] blocks in (block i to / from rank i)."""
@@ -40,7 +41,12 @@ class TorchRowTransport:
     # The four transfers (transport/base.py); autograd owns every buffer, so no leases.
     def dispatch(self, tokens, probs, route):
         rows = self._put(self._per_route(tokens, route), route, phase="dispatch")
-        return rows, self._put_probs(probs, route), None
+        row_probs = self._put_probs(probs, route)
+        if self.slot_source is None:
+            return rows, row_probs, None
+        lease = self.slot_source()  # a dropless arena's view: the rows are copied there
+        lease.place(rows, row_probs, route.recv_offsets[-1])
+        return lease.buffer.local, lease.buffer.values, lease
 
     def dispatch_quantized(self, tokens, probs, route):
         """MXFP8 rows: quantize and pack [T, H] tokens, then the same PUT on the packed rows viewed
@@ -63,7 +69,8 @@ class TorchRowTransport:
         return grad_tokens, grad_probs[..., 0]
 
     def release(self, lease) -> None:
-        pass
+        if lease is not None:  # an arena's lease (moe/arena.py); autograd owns the other buffers
+            lease.release()
 
     @staticmethod
     def _per_route(rows: torch.Tensor, route: RouteMap) -> torch.Tensor:

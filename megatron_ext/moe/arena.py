@@ -1,0 +1,342 @@
+"""Regions and spill: one bounded-dropless arena shared by the MoE layers of a microbatch
+(docs/design.md, "Dropless arena").
+
+A bound per layer (moe/overflow.py) sizes every layer for the busiest load of any layer; the
+layers of a microbatch do not peak together, so one budget shared by them needs less. But
+torch._grouped_mm reads a layer's rows from row 0 of its input, so rows cannot start at a
+device-side offset. Per microbatch and rank the arena is laid out as
+
+    [ region 0 | region 1 | ... | region N-1 | shared area ]     (P rows each, then S rows)
+
+Layer i reads its rows from its region's start (a host-known row) and may run on past P rows:
+a non-last layer into region i+1 (the next layer has not written there yet in this forward),
+the last layer into the shared area. A non-last layer's rows past P (its spill) are copied to
+the shared area's end, growing down, once its experts have read them, and copied back before
+its experts' backward (which runs after layer i+1's backward, the last reader of region i+1).
+The last layer's run-on grows up from the shared area's start and stays in place. Every rank
+computes every destination's spill cursor from the exchanged route counts, so the rows each
+destination can take in a layer (P plus what is left of the run-on room and the shared area)
+are known on the device everywhere, and the keep plan (moe/route_map.py) drops a route only
+when the microbatch's budget is spent (counted, and an error at the next check with
+on_overflow="error").
+
+fc1's output, which the experts keep for their backward, is a fresh tensor (torch._grouped_mm
+has no out=): it is copied into a local arena of the same layout and read back in the backward;
+the activation is recomputed there (as Megatron's moe_act recompute does).
+
+Cost removed: per-layer worst cases; the arena holds N * P + S rows per microbatch for all N
+layers. Cost accepted: spilled rows copied out and back, fc1's output copied out and back, the
+activation recomputed, and the copies touch the whole run-on room in their torch form.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_ext.moe.buffers import SymmetricBuffer, poison, poison_then_fence, rows_with_values
+from megatron_ext.moe.capacity import ROW_ALIGN, _round_up
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Rows of one microbatch's arena: `layers` regions of `region` rows, then `shared` rows."""
+
+    layers: int
+    region: int
+    shared: int
+
+    @property
+    def rows(self) -> int:
+        return self.layers * self.region + self.shared
+
+    def is_last(self, index: int) -> bool:
+        return index == self.layers - 1
+
+    def run_on(self, index: int) -> int:
+        """Rows layer `index` may place past its region (host bound; the device bound is tighter)."""
+        return self.shared if self.is_last(index) else min(self.region, self.shared)
+
+    def view_rows(self, index: int) -> int:
+        """Rows of layer `index`'s buffer (its capacity C for the transport and the experts)."""
+        return self.region + self.run_on(index)
+
+
+def arena_layout(layers: int, max_tokens: int, topk: int, capacity_factor: float,
+                 region_factor: float) -> ArenaLayout:
+    """Regions of round_up(region_factor * T * K, 16) rows; the shared area takes the rest of
+    `capacity_factor * T * K` rows per layer, summed over the `layers` layers."""
+    if layers < 1:
+        raise ValueError(f"the arena needs at least one MoE layer, got {layers}")
+    if not 0 < region_factor <= capacity_factor:
+        raise ValueError(f"arena_region_factor must be > 0 and <= capacity_factor ({capacity_factor}): the "
+                         f"regions are part of the budget; got {region_factor}")
+    balanced = max_tokens * topk
+    region = _round_up(math.ceil(region_factor * balanced), ROW_ALIGN)
+    total = _round_up(math.ceil(capacity_factor * balanced * layers), ROW_ALIGN)
+    return ArenaLayout(layers, region, max(total - layers * region, 0))
+
+
+@dataclass
+class _Slot:
+    """One live microbatch's storage: token rows and their probabilities (symmetric with the symm
+    transport), fc1's outputs (local, allocated at the experts' first forward), the spill cursor."""
+
+    rows: SymmetricBuffer
+    cursor: torch.Tensor  # [M] int64, shared-area rows spilled so far at each destination
+    fc1: torch.Tensor | None = None
+    busy: bool = False
+    views: dict = field(default_factory=dict)
+
+
+class RowArena:
+    """The arena of the MoE layers of one model chunk, `lease_slots` microbatches at a time.
+
+    The first layer (index 0) opens a slot at its dispatch and frees it at its dispatch backward
+    (the last of the microbatch), or at its combine when no backward runs; the other layers use
+    the slot opened last. Every rank opens and frees in the same order.
+    """
+
+    def __init__(self, layers: int, capacity_factor: float, region_factor: float, lease_slots: int = 1,
+                 poison: bool = False):
+        self.layers, self.capacity_factor, self.region_factor = layers, capacity_factor, region_factor
+        self.lease_slots, self.poison = lease_slots, poison
+        self.layout: ArenaLayout | None = None
+        self.slots: list[_Slot] = []
+        self.current: _Slot | None = None
+        self.world = self.rank = None
+
+    def configure(self, max_tokens: int, topk: int) -> None:
+        """Size the layout from a layer's T_max and K (at its first forward; all layers must agree)."""
+        layout = arena_layout(self.layers, max_tokens, topk, self.capacity_factor, self.region_factor)
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            raise ValueError(f"the MoE layers sharing an arena must have the same tokens per rank and top-k: "
+                             f"{max_tokens} x {topk} sizes {layout}, the arena was sized {self.layout}")
+
+    def allocate(self, heap, world: int, rank: int, width: int, dtype: torch.dtype, device) -> None:
+        """Collective with `heap` (None: local tensors, for transports that own no symmetric memory)."""
+        if self.slots:
+            rows = self.slots[0].rows.local
+            if rows.shape[1] != width or rows.dtype != dtype:
+                raise ValueError(f"the MoE arena holds rows of {rows.shape[1]} {rows.dtype}, a layer dispatched "
+                                 f"{width} {dtype}: every layer sharing it must move the same rows")
+            return
+        self.world, self.rank = world, rank
+        for _ in range(self.lease_slots):
+            if heap is None:
+                local = torch.empty(self.layout.rows, width, dtype=dtype, device=device)
+                values = torch.empty(self.layout.rows, dtype=torch.float32, device=device)
+                rows = SymmetricBuffer(local, _address_table(local), values=values, values_table=_address_table(values))
+            else:
+                rows = rows_with_values(heap, self.layout.rows, width, dtype, device)
+            self.slots.append(_Slot(rows, torch.zeros(world, dtype=torch.int64, device=device)))
+
+    def open(self) -> _Slot:
+        free = [slot for slot in self.slots if not slot.busy]
+        if not free:
+            raise RuntimeError(f"all {len(self.slots)} MoE arena slot(s) hold a live microbatch (a forward ran "
+                               f"again before the previous backward); raise --moe-ext-lease-slots "
+                               f"(MoEExtConfig.lease_slots) to the number of microbatches in flight")
+        slot = self.current = free[0]
+        slot.busy = True
+        slot.cursor.zero_()
+        if self.poison:  # unwritten rows must never be read; fenced before peers PUT
+            poison_then_fence(slot.rows)
+        return slot
+
+    def free(self, slot: _Slot) -> None:
+        if slot.busy:
+            slot.busy = False
+            if self.poison:
+                poison(slot.rows)
+                if slot.fc1 is not None:
+                    slot.fc1.fill_(float("nan"))
+
+
+def _address_table(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([tensor.data_ptr()], dtype=torch.int64, device=tensor.device)
+
+
+class ArenaLayer:
+    """Layer `index`'s part of a RowArena: its capacities, its buffer, its spill."""
+
+    def __init__(self, arena: RowArena, index: int):
+        if not 0 <= index < arena.layers:
+            raise ValueError(f"MoE layer index {index} is outside the arena's {arena.layers} layers")
+        self.arena, self.index = arena, index
+
+    @property
+    def layout(self) -> ArenaLayout:
+        return self.arena.layout
+
+    @property
+    def capacity(self) -> int:
+        return self.layout.view_rows(self.index)
+
+    def capacities(self) -> torch.Tensor:
+        """[M] rows each destination can take in this layer (device), opening the arena at layer 0."""
+        arena = self.arena
+        if self.index == 0:
+            arena.open()
+        if arena.current is None or not arena.current.busy:
+            raise RuntimeError(f"MoE layer {self.index} of the arena ran before layer 0 opened it for this "
+                               f"microbatch: the arena's layers must run in their model order")
+        room = self.layout.shared - arena.current.cursor
+        if not self.layout.is_last(self.index):
+            room = room.clamp(max=self.layout.region)
+        return room + self.layout.region
+
+    def advance(self, kept_per_expert: torch.Tensor) -> "ArenaRows":
+        """After the keep plan: where this layer's rows past P live from now on, and the cursor moved
+        by every destination's spill (from the kept rows per expert, [E], identical on every rank)."""
+        slot, layout = self.arena.current, self.layout
+        received = kept_per_expert.long().view(self.arena.world, -1).sum(1)
+        if layout.is_last(self.index):
+            start = torch.zeros((), dtype=torch.int64, device=received.device)
+        else:
+            slot.cursor += (received - layout.region).clamp(min=0)
+            start = layout.shared - slot.cursor[self.arena.rank]
+        return ArenaRows(self, slot, start)
+
+    def lease(self) -> "ArenaLease":
+        """The transport's slot: this layer's view of the open microbatch's rows."""
+        slot = self.arena.current
+        if self.index not in slot.views:
+            start, rows, buffer = self.index * self.layout.region, self.capacity, slot.rows
+            row_bytes = buffer.local.shape[1] * buffer.local.element_size()
+            slot.views[self.index] = SymmetricBuffer(
+                buffer.local[start:start + rows], buffer.peer_table + start * row_bytes, buffer.handle,
+                buffer.values[start:start + rows], buffer.values_table + start * 4)
+        return ArenaLease(self, slot)
+
+
+@dataclass
+class ArenaLease:
+    """What a transport's dispatch holds (as a LeasePool lease): freeing layer 0's frees the microbatch."""
+
+    layer: ArenaLayer
+    slot: _Slot
+
+    @property
+    def buffer(self) -> SymmetricBuffer:
+        return self.slot.views[self.layer.index]
+
+    def release(self) -> None:
+        if self.layer.index == 0:
+            self.layer.arena.free(self.slot)
+
+    def place(self, rows: torch.Tensor, values: torch.Tensor, valid_rows: torch.Tensor) -> None:
+        """Rows a transport received into a fresh [C, W] buffer -> this layer's arena view (the
+        valid ones: the last layer's view reaches into the shared area, where spills live)."""
+        view = self.buffer
+        region = self.layer.layout.region
+        view.local[:region].copy_(rows[:region])
+        view.values[:region].copy_(values[:region])
+        run_on = torch.arange(view.local.shape[0] - region, device=rows.device)
+        keep = run_on < valid_rows - region
+        view.local[region:].copy_(torch.where(keep[:, None], rows[region:], view.local[region:]))
+        view.values[region:].copy_(torch.where(keep, values[region:], view.values[region:]))
+
+
+@dataclass
+class ArenaRows:
+    """One layer forward's rows in the arena, handed to the experts (moe/expert_rows.RowGroups)."""
+
+    layer: ArenaLayer
+    slot: _Slot
+    start: torch.Tensor  # [] int64, the shared-area row of this layer's row P
+
+    @property
+    def _shared_rows(self) -> slice:
+        layout = self.layer.layout
+        return slice(layout.layers * layout.region, layout.rows)
+
+    def keep_inputs(self, valid_rows: torch.Tensor) -> None:
+        """After the experts' first read: a non-last layer's rows past P (and their probabilities)
+        move to the shared area before the next layer's dispatch reuses region i+1."""
+        if self.layer.layout.is_last(self.layer.index):
+            return
+        view, rows = self.slot.views[self.layer.index], self.slot.rows
+        region = self.layer.layout.region
+        shared = self._shared_rows
+        _spill(view.local[region:], valid_rows - region, rows.local[shared], self.start)
+        _spill(view.values[region:, None], valid_rows - region, rows.values[shared, None], self.start)
+
+    def restore_inputs(self) -> None:
+        """Before the experts' backward: the spilled rows and probabilities back after row P."""
+        if self.layer.layout.is_last(self.layer.index):
+            return
+        view, rows = self.slot.views[self.layer.index], self.slot.rows
+        region = self.layer.layout.region
+        shared = self._shared_rows
+        _unspill(view.local[region:], rows.local[shared], self.start)
+        _unspill(view.values[region:, None], rows.values[shared, None], self.start)
+
+    def keep_fc1(self, fc1_out: torch.Tensor, valid_rows: torch.Tensor) -> None:
+        """fc1's output [C, F'] -> the local fc1 arena (same layout as the rows)."""
+        slot, layout = self.slot, self.layer.layout
+        if slot.fc1 is None:
+            slot.fc1 = fc1_out.new_empty(layout.rows, fc1_out.shape[1])
+        elif slot.fc1.shape[1] != fc1_out.shape[1] or slot.fc1.dtype != fc1_out.dtype:
+            raise ValueError(f"the MoE arena keeps fc1 outputs of {slot.fc1.shape[1]} {slot.fc1.dtype}, a layer "
+                             f"made {fc1_out.shape[1]} {fc1_out.dtype}: the arena's layers must share expert sizes")
+        region, start = layout.region, self.layer.index * layout.region
+        slot.fc1[start:start + region].copy_(fc1_out[:region])
+        _spill(fc1_out[region:], valid_rows - region, slot.fc1[self._shared_rows], self.start)
+
+    def restore_fc1(self) -> torch.Tensor:
+        """A fresh [C, F'] fc1 output, valid below the layer's received rows."""
+        slot, layout = self.slot, self.layer.layout
+        region, start = layout.region, self.layer.index * layout.region
+        out = slot.fc1.new_empty(self.layer.capacity, slot.fc1.shape[1])
+        out[:region].copy_(slot.fc1[start:start + region])
+        _unspill(out[region:], slot.fc1[self._shared_rows], self.start)
+        return out
+
+
+def _spill(source: torch.Tensor, count: torch.Tensor, shared: torch.Tensor, start: torch.Tensor) -> None:
+    """shared[start + j] = source[j] for j < count (device scalars); every other shared row unchanged.
+    Fixed shapes, no host read: the whole shared area is read and written back."""
+    if shared.shape[0] == 0 or source.shape[0] == 0:
+        return
+    offset = torch.arange(shared.shape[0], device=shared.device) - start
+    take = (offset >= 0) & (offset < count)
+    moved = source.index_select(0, offset.clamp(0, source.shape[0] - 1))
+    shared.copy_(torch.where(take[:, None], moved, shared))
+
+
+def _unspill(target: torch.Tensor, shared: torch.Tensor, start: torch.Tensor) -> None:
+    """target[j] = shared[start + j] for every row of target (rows past the spill are a dead tail)."""
+    if shared.shape[0] == 0 or target.shape[0] == 0:
+        return
+    index = (torch.arange(target.shape[0], device=target.device) + start).clamp(0, shared.shape[0] - 1)
+    target.copy_(shared.index_select(0, index))
+
+
+def attach_arenas(model) -> list[RowArena]:
+    """Give the rowwise MoE layers of `model` (a module or Megatron's list of model chunks) that run
+    with dropless_arena one arena per model chunk, in module order (their forward order in a
+    TransformerBlock). Idempotent: layers attached already keep their arena. Returns the new arenas."""
+    arenas = []
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        dispatchers = [m.token_dispatcher for m in chunk.modules()
+                       if getattr(getattr(m, "token_dispatcher", None), "ext_config", None) is not None
+                       and m.token_dispatcher.ext_config.dropless_arena]
+        if not dispatchers or all(d.arena_layer is not None for d in dispatchers):
+            continue
+        if any(d.arena_layer is not None or d.transport is not None for d in dispatchers):
+            raise RuntimeError("attach_arenas: some MoE layers of this model ran or were attached already; attach "
+                               "the arena once, before the first forward")
+        config = dispatchers[0].ext_config
+        if any(d.ext_config != config for d in dispatchers):
+            raise ValueError("attach_arenas: the MoE layers sharing an arena must share their MoEExtConfig")
+        arena = RowArena(len(dispatchers), config.capacity_factor, config.arena_region_factor,
+                         config.lease_slots, config.debug_poison)
+        for index, dispatcher in enumerate(dispatchers):
+            dispatcher.arena_layer = ArenaLayer(arena, index)
+        arenas.append(arena)
+    return arenas

@@ -1,0 +1,120 @@
+"""Dropless arena (regions and spill, moe/arena.py): one budget for the MoE layers of a microbatch.
+
+gloo ranks, torch transport, a stack of MoE layers (each layer's input is the previous output plus
+the tokens). Without overflow the arena equals dropless=True bitwise (the same rows in the same
+order; spilled rows and fc1's outputs copied out and back unchanged), on balanced and skewed
+routing and with every layer spilling; the arena holds fewer rows than the worst case; beyond the
+budget routes are dropped and counted, or the check raises with on_overflow="error".
+"""
+
+import pytest
+import torch
+
+from megatron_ext.config import MoEExtConfig
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.moe.arena import ArenaLayout, arena_layout, attach_arenas
+from megatron_ext.moe.capacity import rank_capacity
+from megatron_ext.moe.overflow import CapacityExceeded
+from megatron_ext.specs import moe_builder
+from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
+from megatron_ext.testing.reference import MoEWeights
+
+TOKENS, HIDDEN, FFN, EXPERTS, TOPK, LAYERS = 32, 32, 16, 8, 2, 3
+
+
+def _stack(world, skew: float, **ext):
+    layers = torch.nn.ModuleList()
+    for index in range(LAYERS):
+        layer = moe_builder(MoEExtConfig(transport="torch", **ext))(
+            config=moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, ep=world))
+        weights = MoEWeights.random(EXPERTS, HIDDEN, FFN, seed=20 + index)
+        weights.router[0] += skew  # tokens with a positive sum prefer expert 0 (rank 0's) in every layer
+        load_weights(layer, weights)
+        layers.append(layer)
+    return layers
+
+
+def _step(layers, x, g):
+    x = x.clone().view(TOKENS, 1, HIDDEN).requires_grad_(True)
+    hidden = x
+    for layer in layers:
+        hidden = layer(hidden)[0] + x
+    hidden.backward(g.view_as(hidden))
+    grads = [x.grad] + [p.grad for layer in layers for p in
+                        (layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight)]
+    return [hidden.detach()] + grads
+
+
+def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop"):
+    x, g = rank_tokens(rank, TOKENS, HIDDEN)
+    x = x + skew  # with the router's skew: most tokens send one route to expert 0
+    arena_stack = _stack(world, skew, dropless_arena=True, capacity_factor=capacity_factor,
+                         arena_region_factor=region_factor, on_overflow=on_overflow)
+    (arena,) = attach_arenas(arena_stack)
+    got = _step(arena_stack, x, g)
+    metrics = [layer.read_metrics() for layer in arena_stack]
+    error = None
+    if on_overflow == "error":
+        try:
+            for layer in arena_stack:
+                layer.check_overflow()
+        except CapacityExceeded as raised:
+            error = str(raised)
+    want = _step(_stack(world, skew, dropless=True), x, g)
+    equal = [torch.equal(a, b) for a, b in zip(got, want)]
+    received = [int(m["mean_buffer_fill"] * m["capacity"] + 0.5) for m in metrics]
+    return {"equal": equal, "dropped": [m["dropped_routes"] for m in metrics], "received": received,
+            "layout": arena.layout, "capacities": [layer.token_dispatcher.capacity for layer in arena_stack],
+            "error": error, "slots_busy": [slot.busy for slot in arena.slots]}
+
+
+@pytest.mark.parametrize("world,budget", [(2, (1.5, 0.75)), (4, (2.0, 1.0))])
+@pytest.mark.parametrize("skew", [0.0, 0.25])
+def test_arena_equals_dropless_and_holds_fewer_rows(world, budget, skew):
+    # Regions below the busiest loads: layers run on and the first two spill. (A non-last layer
+    # takes at most two regions: at EP=4 the skewed rank 0 needs regions of the balanced load.)
+    results = run_on_ranks(_arena_rank, world, skew, *budget, sizes=ParallelSizes(ep=world))
+    worst = rank_capacity(TOKENS, TOPK, world, 1.0, dropless=True)
+    for result in results:
+        assert all(result["equal"]), result["equal"]
+        assert result["dropped"] == [0] * LAYERS
+        layout = result["layout"]
+        assert layout == arena_layout(LAYERS, TOKENS, TOPK, *budget)
+        assert layout.rows < LAYERS * worst  # the worst case is what dropless=True holds per layer
+        assert result["slots_busy"] == [False]  # the first layer's dispatch backward freed the microbatch
+    busiest = max(max(r["received"]) for r in results)
+    assert busiest > layout.region  # the case ran on past a region (not a test of regions alone)
+
+
+def test_skew_needs_the_shared_area_across_layers():
+    # Budget 1.5 x balanced per layer: the skewed layers' loads above P share the area.
+    results = run_on_ranks(_arena_rank, 2, 0.5, 1.5, 1.0, sizes=ParallelSizes(ep=2))
+    for result in results:
+        assert all(result["equal"]) and result["dropped"] == [0] * LAYERS
+    rank0 = results[0]
+    assert sum(rank0["received"]) > LAYERS * rank0["layout"].region
+
+
+def test_beyond_the_budget_routes_drop_counted_or_raise():
+    results = run_on_ranks(_arena_rank, 2, 0.5, 0.75, 0.5, "error", sizes=ParallelSizes(ep=2))
+    dropped = sum(sum(r["dropped"]) for r in results)
+    assert dropped > 0
+    errors = [r["error"] for r in results if r["error"] is not None]
+    assert errors and "overflowed" in errors[0] and "--moe-ext-capacity-factor (now 0.75" in errors[0]
+    for result in results:
+        assert result["layout"].rows == arena_layout(LAYERS, TOKENS, TOPK, 0.75, 0.5).rows
+
+
+def test_layout_and_settings_are_checked():
+    layout = arena_layout(4, 128, 2, 1.1, 1.0)
+    assert layout == ArenaLayout(4, 256, 1136 - 1024)
+    assert layout.view_rows(0) == 256 + 112 and layout.view_rows(3) == 256 + 112
+    assert arena_layout(2, 128, 2, 1.5, 0.5).view_rows(0) == 256 and arena_layout(2, 128, 2, 1.5, 0.5).view_rows(1) == 640
+    with pytest.raises(ValueError, match="at most capacity_factor"):
+        MoEExtConfig(dropless_arena=True, capacity_factor=1.1, arena_region_factor=1.2)
+    with pytest.raises(ValueError, match="choose one"):
+        MoEExtConfig(dropless_arena=True, dropless=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        MoEExtConfig(dropless_arena=True, cuda_graphs=True)
+    with pytest.raises(ValueError, match="mxfp8_dispatch"):
+        MoEExtConfig(dropless_arena=True, mxfp8_dispatch=True)
