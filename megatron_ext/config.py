@@ -88,8 +88,8 @@ class MoEExtConfig:
     pin_host_threads: bool = False
 
     def __post_init__(self):
-        for name in ("dropless", "dropless_arena", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison", "debug_checks",
-                     "fused_route_map", "fused_router", "pin_host_threads"):
+        for name in ("dropless", "dropless_arena", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison",
+                     "debug_checks", "fused_route_map", "fused_router", "pin_host_threads"):
             _require_type(name, getattr(self, name), bool, "True or False")
         for name in ("metrics_interval", "replica_check_interval", "lease_slots"):
             _require_type(name, getattr(self, name), int, "an integer")

@@ -109,7 +109,8 @@ def test_layout_and_settings_are_checked():
     layout = arena_layout(4, 128, 2, 1.1, 1.0)
     assert layout == ArenaLayout(4, 256, 1136 - 1024)
     assert layout.view_rows(0) == 256 + 112 and layout.view_rows(3) == 256 + 112
-    assert arena_layout(2, 128, 2, 1.5, 0.5).view_rows(0) == 256 and arena_layout(2, 128, 2, 1.5, 0.5).view_rows(1) == 640
+    two = arena_layout(2, 128, 2, 1.5, 0.5)
+    assert two.view_rows(0) == 256 and two.view_rows(1) == 640
     with pytest.raises(ValueError, match="at most capacity_factor"):
         MoEExtConfig(dropless_arena=True, capacity_factor=1.1, arena_region_factor=1.2)
     with pytest.raises(ValueError, match="choose one"):
