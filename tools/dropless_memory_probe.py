@@ -24,10 +24,11 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from megatron_ext.bench.arena_sizing import best_region_spill, one_budget, per_layer_bound, region_spill
+from megatron_ext.bench.arena_sizing import best_region_spill, one_budget, per_layer_bound, region_spill, shared_area
 from megatron_ext.bench.results import write_result
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+from megatron_ext.moe.arena import attach_arenas
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.tiny_gpt import TinyGPTConfig, build_model, moe_layers, synthetic_batch
@@ -35,9 +36,14 @@ from megatron_ext.tiny_gpt import TinyGPTConfig, build_model, moe_layers, synthe
 MODEL = TinyGPTConfig(layers=4, experts=8, topk=2, micro_batch=4, seq_len=32)
 
 
-def _probe_rank(rank, world, steps: int, capacity_factor: float) -> dict:
-    ext = MoEExtConfig(transport="torch", capacity_factor=capacity_factor, on_overflow="error")
+def _probe_rank(rank, world, steps: int, capacity_factor: float, arena_region_factor: float | None = None) -> dict:
+    """Train with bounded dropless: a bound per layer, or (`arena_region_factor` given) the dropless
+    arena whose budget is `capacity_factor` per layer on average (moe/arena.py)."""
+    arena = arena_region_factor is not None
+    ext = MoEExtConfig(transport="torch", capacity_factor=capacity_factor, on_overflow="error",
+                       dropless_arena=arena, arena_region_factor=arena_region_factor or 1.0)
     model = build_model(MODEL, ext)
+    arenas = attach_arenas(model) if arena else []
     optimizer = torch.optim.Adam(model.parameters(), lr=MODEL.lr)
     position_ids = torch.arange(MODEL.seq_len)[None].expand(MODEL.micro_batch, -1)
     causal_mask = torch.triu(torch.ones(1, 1, MODEL.seq_len, MODEL.seq_len, dtype=torch.bool), diagonal=1)
@@ -59,6 +65,9 @@ def _probe_rank(rank, world, steps: int, capacity_factor: float) -> dict:
             overflow = str(error)
     busiest = torch.tensor(arrived).max(0).values  # [layers]
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    # what Megatron's dropless path holds at its peak: one microbatch's rows of all layers, at once
+    arrived_together = torch.tensor(arrived).sum(1).max()
+    dist.all_reduce(arrived_together, op=dist.ReduceOp.MAX)
     tokens_per_rank = MODEL.micro_batch * MODEL.seq_len
     balanced = tokens_per_rank * MODEL.topk  # rows per rank per layer under perfectly even routing
     asked = torch.stack(requested)  # [steps, layers, ranks]
@@ -68,6 +77,9 @@ def _probe_rank(rank, world, steps: int, capacity_factor: float) -> dict:
             "factor_needed_one_budget_for_all_layers": one_budget(asked, balanced),
             "region_spill_best": vars(best_region_spill(asked, balanced)),
             "region_spill_at_balanced_regions": vars(region_spill(asked, balanced, 1.0)),
+            "arena_as_built_best": vars(best_region_spill(asked, balanced, scheme=shared_area)),
+            "arena_rows": arenas[0].layout.rows if arena else None,
+            "arrived_rows_all_layers_at_once": int(arrived_together),
             "bounded_rows_per_layer": rank_capacity(tokens_per_rank, MODEL.topk, world, capacity_factor, False),
             "worst_case_rows_per_layer": rank_capacity(tokens_per_rank, MODEL.topk, world, 1.0, True),
             "arrived_rows_busiest_rank_per_layer": busiest.tolist(), "overflow": overflow}
@@ -110,6 +122,25 @@ def main(argv=None) -> int:
               f"(spill arena {best['spill_arena_factor']:.2f}, tail {best['tail_factor']:.2f} layers' balanced rows)")
         if row["overflow"]:
             print(f"  EP{ep}: the bound was exceeded: {row['overflow']}")
+        # the same training with the dropless arena at the budget the demands above needed
+        built = row["arena_as_built_best"]
+        arena = run_on_ranks(_probe_rank, ep, args.steps, built["total_factor"], built["region_factor"],
+                             sizes=ParallelSizes(ep=ep))[0]
+        together = arena["arrived_rows_all_layers_at_once"]
+        row["arena_run"] = {"capacity_factor": built["total_factor"], "region_factor": built["region_factor"],
+                            "arena_rows": arena["arena_rows"], "overflow": arena["overflow"],
+                            "arrived_rows_all_layers_at_once": together,
+                            "arena_over_arrived": arena["arena_rows"] / together,
+                            "bounded_over_arrived_at_once": row["bounded_rows_total"] / together,
+                            "per_layer_bound_needed_over_arrived_at_once":
+                                row["layers"] * rank_capacity(row["tokens_per_rank"], row["topk"], ep,
+                                                              row["factor_needed_per_layer_bound"], False) / together}
+        run = row["arena_run"]
+        print(f"  EP{ep}: dropless arena at budget {run['capacity_factor']:.3f} (regions "
+              f"{run['region_factor']:.2f}): {run['arena_rows']} rows for one microbatch's {row['layers']} layers, "
+              f"{run['arena_over_arrived']:.3f}x the {together} rows all layers received at once (a bound per "
+              f"layer at the factor it needed: {run['per_layer_bound_needed_over_arrived_at_once']:.3f}x); "
+              f"overflow: {run['overflow'] or 'none'}")
     kwargs = {} if args.results_dir is None else {"results_dir": args.results_dir}
     path = write_result("dropless_memory", {"capacity_factor": args.capacity_factor, "steps": args.steps,
                                             "model": vars(MODEL), "rows": rows}, **kwargs)

@@ -52,10 +52,25 @@ def region_spill(asked: torch.Tensor, balanced: int, region_factor: float) -> Re
                        float(spilled.sum() / asked.sum()), bool((spilled <= region).all()))
 
 
-def best_region_spill(asked: torch.Tensor, balanced: int, factors=None) -> RegionSpill:
+def shared_area(asked: torch.Tensor, balanced: int, region_factor: float) -> RegionSpill:
+    """Regions and spill as moe/arena.py builds it: one shared area holds the spills of the layers
+    before the last and, growing from its other end, the last layer's run-on (no tail region of its
+    own), so it needs the largest sum of all layers' run-ons (reported as `spill_arena_factor`)."""
+    asked = asked.double()
+    layers = asked.shape[1]
+    region = region_factor * balanced
+    run_on = (asked - region).clamp_min(0)  # [steps, layers, ranks]
+    shared = float(run_on.sum(1).max())
+    total = layers * region + shared
+    return RegionSpill(region_factor, total / (layers * balanced), shared / balanced, 0.0,
+                       float(run_on[:, :-1].sum() / asked.sum()), bool((run_on[:, :-1] <= region).all()))
+
+
+def best_region_spill(asked: torch.Tensor, balanced: int, factors=None, scheme=region_spill) -> RegionSpill:
     """The region size (from `factors`, default 0.70..1.50 in steps of 0.05) with the fewest rows
-    in all, among those whose run-on always fits the next region."""
+    in all, among those whose run-on always fits the next region; `scheme`: region_spill or
+    shared_area."""
     factors = factors or [0.70 + 0.05 * i for i in range(17)]
-    options = [region_spill(asked, balanced, f) for f in factors]
+    options = [scheme(asked, balanced, f) for f in factors]
     fitting = [o for o in options if o.fits] or options
     return min(fitting, key=lambda o: (o.total_factor, o.copied_fraction))

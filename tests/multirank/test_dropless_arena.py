@@ -17,6 +17,7 @@ from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
+from megatron_ext.testing.moe_stack import stack_step
 from megatron_ext.testing.reference import MoEWeights
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOPK, LAYERS = 32, 32, 16, 8, 2, 3
@@ -35,14 +36,7 @@ def _stack(world, skew: float, **ext):
 
 
 def _step(layers, x, g):
-    x = x.clone().view(TOKENS, 1, HIDDEN).requires_grad_(True)
-    hidden = x
-    for layer in layers:
-        hidden = layer(hidden)[0] + x
-    hidden.backward(g.view_as(hidden))
-    grads = [x.grad] + [p.grad for layer in layers for p in
-                        (layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight)]
-    return [hidden.detach()] + grads
+    return stack_step(layers, x.view(TOKENS, 1, HIDDEN), g.view(TOKENS, 1, HIDDEN))
 
 
 def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop"):
