@@ -36,8 +36,8 @@ import torch
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
 from megatron_ext.bench.kernel_profile import profile_kernels
-from megatron_ext.bench.measurement import (cuda_time_ms, held_for_backward, host_time_ms, make_step, median,
-                                            peak_memory)
+from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_for_backward, host_time_ms,
+                                            make_step, median, peak_memory)
 from megatron_ext.bench.results import write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config
 from megatron_ext.testing.reference import MoEWeights
@@ -72,19 +72,6 @@ def build(path: str, args, weights):
     layer = layer.cuda()
     load_weights(layer, weights)
     return layer
-
-
-def dense_gemm_step(flops: float, hidden: int, calls: int = 1):
-    """(step, its FLOPs): `calls` square-ish bf16 matmuls [m, H] @ [H, H] doing `flops` in all."""
-    n = hidden
-    m = max(256, int(flops / calls / (2 * n * n)))
-    a = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        for _ in range(calls):
-            a @ b
-    return step, 2 * m * n * n * calls
 
 
 def dense_gemm_tflops(flops: float, hidden: int) -> float:

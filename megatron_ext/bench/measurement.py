@@ -131,3 +131,16 @@ def make_step(layer, x, grad_out):
         out.backward(grad_out)
         return out
     return step
+
+
+def dense_gemm_step(flops: float, hidden: int, calls: int = 1):
+    """(step, its FLOPs): `calls` square-ish bf16 matmuls [m, H] @ [H, H] doing `flops` in all."""
+    n = hidden
+    m = max(256, int(flops / calls / (2 * n * n)))
+    a = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for _ in range(calls):
+            a @ b
+    return step, 2 * m * n * n * calls

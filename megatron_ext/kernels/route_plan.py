@@ -127,12 +127,13 @@ def _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L: tl.conste
 
 @triton.jit
 def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr, dest_row_ptr, packed_ptr,
-                  recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, capacity, rank, M, T, E, L,
+                  recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, dest_capacity_ptr, capacity, rank, M, T, E, L,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr):
+                  BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, PER_DEST: tl.constexpr):
     """Plan and place in one launch: every program plans all M destinations (a few thousand
     integer ops), keeps what its tokens need (this rank's keep and base row per expert), and
-    program 0 also stores the plan's outputs and metrics."""
+    program 0 also stores the plan's outputs and metrics. PER_DEST: destination d may keep
+    dest_capacity[d] rows (int64, device) instead of `capacity` (the buffer's rows)."""
     block = tl.program_id(0)
     first = block == 0
     experts = tl.arange(0, BLOCK_E)
@@ -143,7 +144,11 @@ def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr
     base_e = tl.zeros([BLOCK_E], dtype=tl.int64)  # the row its first kept route takes
     kept_mine_total = tl.sum(keep_e, axis=0)
     for dest in range(M):
-        keep, req = _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L, BLOCK_M)
+        if PER_DEST:
+            keep, req = _plan_destination(requested_ptr, dest, tl.load(dest_capacity_ptr + dest), M, E, L,
+                                          BLOCK_L, BLOCK_M)
+        else:
+            keep, req = _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L, BLOCK_M)
         kept = tl.sum(keep, axis=1)  # per local expert of this destination, all sources
         keep_mine = tl.sum(tl.where(source == rank, keep, 0), axis=1)
         row_base = tl.cumsum(kept, axis=0) - kept + tl.sum(tl.where(source < rank, keep, 0), axis=1)
@@ -218,10 +223,11 @@ def select_backward(routing_map: torch.Tensor, grad_top_probs: torch.Tensor, dty
 
 
 def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: torch.Tensor, requested_all: torch.Tensor,
-                   topk: int, capacity: int, ep_rank: int) -> dict:
+                   topk: int, capacity: int, ep_rank: int, dest_capacity: torch.Tensor | None = None) -> dict:
     """The keep plan from the gathered [M, E] counts and this rank's rows, in one launch: a dict
     with dest_rank, dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept
-    rows per (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed)."""
+    rows per (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed).
+    `dest_capacity` [M] (device): rows each destination may keep (at most `capacity`)."""
     num_tokens, num_experts = routing_map.shape
     m = requested_all.shape[0]
     local = num_experts // m
@@ -233,8 +239,9 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
     fill = torch.empty((), dtype=torch.float32, device=device)
     _route_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
         routing_map.contiguous(), hist, requested_all.contiguous(), nonfinite, dest[0], dest[1], packed, receive[0],
-        receive[1], fill, mine, capacity, ep_rank, m, num_tokens, num_experts, local, K=topk,
-        BLOCK_K=triton.next_power_of_2(topk), BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_L=triton.next_power_of_2(local), BLOCK_M=triton.next_power_of_2(m), num_warps=4)
+        receive[1], fill, mine, fill if dest_capacity is None else dest_capacity.long().contiguous(), capacity,
+        ep_rank, m, num_tokens, num_experts, local, K=topk, BLOCK_K=triton.next_power_of_2(topk),
+        BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_L=triton.next_power_of_2(local),
+        BLOCK_M=triton.next_power_of_2(m), PER_DEST=dest_capacity is not None, num_warps=4)
     return {"dest_rank": dest[0], "dest_row": dest[1], "recv_counts": receive[0], "recv_offsets": receive[1],
             "mine": mine, "buffer_fill": fill, "packed": packed}

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_ext.kernels.row_span import copy_row_span
 from megatron_ext.moe.buffers import SymmetricBuffer, poison, poison_then_fence, rows_with_values
 from megatron_ext.moe.capacity import ROW_ALIGN, _round_up
 
@@ -250,71 +251,56 @@ class ArenaRows:
     slot: _Slot
     start: torch.Tensor  # [] int64, the shared-area row of this layer's row P
 
-    @property
-    def _shared_rows(self) -> slice:
-        layout = self.layer.layout
-        return slice(layout.layers * layout.region, layout.rows)
-
     def keep_inputs(self, valid_rows: torch.Tensor) -> None:
         """After the experts' first read: a non-last layer's rows past P (and their probabilities)
         move to the shared area before the next layer's dispatch reuses region i+1."""
         if self.layer.layout.is_last(self.layer.index):
             return
-        view, rows = self.slot.views[self.layer.index], self.slot.rows
-        region = self.layer.layout.region
-        shared = self._shared_rows
-        _spill(view.local[region:], valid_rows - region, rows.local[shared], self.start)
-        _spill(view.values[region:, None], valid_rows - region, rows.values[shared, None], self.start)
+        view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
+        copy_row_span(view.local[region:], rows.local[shared], valid_rows - region, dst_start=self.start,
+                      values=(view.values[region:], rows.values[shared]))
 
-    def restore_inputs(self) -> None:
+    def restore_inputs(self, valid_rows: torch.Tensor) -> None:
         """Before the experts' backward: the spilled rows and probabilities back after row P."""
         if self.layer.layout.is_last(self.layer.index):
             return
-        view, rows = self.slot.views[self.layer.index], self.slot.rows
-        region = self.layer.layout.region
-        shared = self._shared_rows
-        _unspill(view.local[region:], rows.local[shared], self.start)
-        _unspill(view.values[region:, None], rows.values[shared, None], self.start)
+        view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
+        copy_row_span(rows.local[shared], view.local[region:], valid_rows - region, src_start=self.start,
+                      values=(rows.values[shared], view.values[region:]))
 
     def keep_fc1(self, fc1_out: torch.Tensor, valid_rows: torch.Tensor) -> None:
-        """fc1's output [C, F'] -> the local fc1 arena (same layout as the rows)."""
+        """fc1's output [C, F'] -> the local fc1 arena (same layout as the rows): rows below P to
+        the layer's region, the rest where its spill goes."""
         slot, layout = self.slot, self.layer.layout
         if slot.fc1 is None:
             slot.fc1 = fc1_out.new_empty(layout.rows, fc1_out.shape[1])
         elif slot.fc1.shape[1] != fc1_out.shape[1] or slot.fc1.dtype != fc1_out.dtype:
             raise ValueError(f"the MoE arena keeps fc1 outputs of {slot.fc1.shape[1]} {slot.fc1.dtype}, a layer "
                              f"made {fc1_out.shape[1]} {fc1_out.dtype}: the arena's layers must share expert sizes")
-        region, start = layout.region, self.layer.index * layout.region
-        slot.fc1[start:start + region].copy_(fc1_out[:region])
-        _spill(fc1_out[region:], valid_rows - region, slot.fc1[self._shared_rows], self.start)
+        region = self.region
+        copy_row_span(fc1_out[:region], slot.fc1[self._region_rows], valid_rows)
+        copy_row_span(fc1_out[region:], slot.fc1[self.shared], valid_rows - region, dst_start=self.start)
 
-    def restore_fc1(self) -> torch.Tensor:
+    def restore_fc1(self, valid_rows: torch.Tensor) -> torch.Tensor:
         """A fresh [C, F'] fc1 output, valid below the layer's received rows."""
-        slot, layout = self.slot, self.layer.layout
-        region, start = layout.region, self.layer.index * layout.region
-        out = slot.fc1.new_empty(self.layer.capacity, slot.fc1.shape[1])
-        out[:region].copy_(slot.fc1[start:start + region])
-        _unspill(out[region:], slot.fc1[self._shared_rows], self.start)
+        fc1, region = self.slot.fc1, self.region
+        out = fc1.new_empty(self.layer.capacity, fc1.shape[1])
+        copy_row_span(fc1[self._region_rows], out[:region], valid_rows)
+        copy_row_span(fc1[self.shared], out[region:], valid_rows - region, src_start=self.start)
         return out
 
+    @property
+    def region(self) -> int:
+        return self.layer.layout.region
 
-def _spill(source: torch.Tensor, count: torch.Tensor, shared: torch.Tensor, start: torch.Tensor) -> None:
-    """shared[start + j] = source[j] for j < count (device scalars); every other shared row unchanged.
-    Fixed shapes, no host read: the whole shared area is read and written back."""
-    if shared.shape[0] == 0 or source.shape[0] == 0:
-        return
-    offset = torch.arange(shared.shape[0], device=shared.device) - start
-    take = (offset >= 0) & (offset < count)
-    moved = source.index_select(0, offset.clamp(0, source.shape[0] - 1))
-    shared.copy_(torch.where(take[:, None], moved, shared))
+    @property
+    def shared(self) -> slice:
+        layout = self.layer.layout
+        return slice(layout.layers * layout.region, layout.rows)
 
-
-def _unspill(target: torch.Tensor, shared: torch.Tensor, start: torch.Tensor) -> None:
-    """target[j] = shared[start + j] for every row of target (rows past the spill are a dead tail)."""
-    if shared.shape[0] == 0 or target.shape[0] == 0:
-        return
-    index = (torch.arange(target.shape[0], device=target.device) + start).clamp(0, shared.shape[0] - 1)
-    target.copy_(shared.index_select(0, index))
+    @property
+    def _region_rows(self) -> slice:
+        return slice(self.layer.index * self.region, (self.layer.index + 1) * self.region)
 
 
 def attach_arenas(model) -> list[RowArena]:

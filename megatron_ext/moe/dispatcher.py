@@ -106,20 +106,20 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
         gather_counts = getattr(self.transport, "gather_counts", None)
+        dest_capacity = None
         if self.arena_layer is not None:  # the plan's capacities come from the microbatch's arena
             self._allocate_arena(hidden)
-            self.route_map = route(self.top_idx, self.num_experts, self.capacity, group, gather_counts=gather_counts,
-                                   probs=probs, dest_capacity=self.arena_layer.capacities(),
-                                   ep_rank=getattr(self.transport, "rank", None))
-            self.arena_rows = self.arena_layer.advance(self.route_map.metrics.kept_per_expert)
-            self.selection = None
-        elif self.selection is not None:
+            dest_capacity = self.arena_layer.capacities()
+        if self.selection is not None:
             self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
-                                                need_row_source=getattr(self.transport, "reads_row_source", True))
+                                                need_row_source=getattr(self.transport, "reads_row_source", True),
+                                                dest_capacity=dest_capacity)
             self.selection = None
         else:
             self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
-                                   gather_counts=gather_counts, probs=probs)
+                                   gather_counts=gather_counts, probs=probs, dest_capacity=dest_capacity)
+        if self.arena_layer is not None:
+            self.arena_rows = self.arena_layer.advance(self.route_map.metrics.kept_per_expert)
         if self.ext_config.debug_checks:  # host reads: debug only
             check_route_map(self.route_map, self.top_idx, self.num_experts, self.capacity, self.ep_size)
         if self.ext_config.mxfp8_dispatch:

@@ -55,8 +55,8 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
         else:
             (fc1_weight, fc2_weight, offsets), (hidden, probs) = ctx.saved_tensors, ctx.arena_inputs
-            ctx.arena.restore_inputs()
-            fc1_out = ctx.arena.restore_fc1()
+            ctx.arena.restore_inputs(offsets[-1])
+            fc1_out = ctx.arena.restore_fc1(offsets[-1])
         need_hidden, need_fc1, need_fc2, _, need_probs, _, _ = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
         need_act_grad = need_hidden or need_fc1 or need_probs

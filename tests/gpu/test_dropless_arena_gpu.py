@@ -100,3 +100,21 @@ def test_two_live_microbatches_keep_their_own_arena():
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert not any(slot.busy for slot in arena[0].token_dispatcher.arena_layer.arena.slots)
+
+
+@pytest.mark.parametrize("width", [1, 7, 1024, 3000])
+def test_span_kernel_equals_torch_form(width):
+    from megatron_ext.kernels.row_span import _copy_row_span_torch, copy_row_span
+
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    src = torch.randn(300, width, device="cuda", generator=gen).bfloat16()
+    src = src[:, 0].contiguous() if width == 1 else src
+    for count, src_start, dst_start in ((0, 0, 0), (120, 10, 30), (500, 0, 0), (50, 280, 5), (50, 0, 390), (-3, 0, 0)):
+        dst = torch.randn((400,) + src.shape[1:], device="cuda", generator=gen).to(src.dtype)
+        scalars = [torch.tensor(v, device="cuda") for v in (count, src_start, dst_start)]
+        values = torch.randn(300, device="cuda", generator=gen), torch.randn(400, device="cuda", generator=gen)
+        got_values, want_values = values[1].clone(), values[1].clone()
+        got = copy_row_span(src, dst.clone(), *scalars, values=(values[0], got_values))
+        want = _copy_row_span_torch(src, dst.clone(), *scalars)
+        _copy_row_span_torch(values[0], want_values, *scalars)
+        assert torch.equal(got, want) and torch.equal(got_values, want_values), (width, count, src_start, dst_start)

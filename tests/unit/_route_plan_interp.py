@@ -35,7 +35,7 @@ def others_counts(counts, world, rank, seed):
     return torch.stack(rows)
 
 
-def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed) -> None:
+def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed, per_dest=False) -> None:
     from megatron_ext.moe import fused_routes
     from megatron_ext.moe.dispatcher import routing_map_to_topk
     from megatron_ext.moe.route_map import count_routes, route
@@ -45,15 +45,19 @@ def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed)
     want_probs = probs.gather(1, top_idx).float()
     table = others_counts(count_routes(top_idx, num_experts), world, rank, seed + 1)
     gather = lambda counts: table  # noqa: E731 - the exchange is made up here
-    want = route(top_idx, num_experts, capacity, gather_counts=gather, ep_rank=rank, probs=want_probs)
+    # per destination (the dropless arena's): what is left differs by rank, some below the loads
+    dest_capacity = (torch.arange(world) * 7 % (capacity // 2 + 1) + capacity // 2) if per_dest else None
+    want = route(top_idx, num_experts, capacity, gather_counts=gather, ep_rank=rank, probs=want_probs,
+                 dest_capacity=dest_capacity)
 
     probs_fused = probs.detach().clone().requires_grad_(True)
     got_idx, got_probs, selection = fused_routes.select(routing_map, probs_fused, topk)
     assert torch.equal(got_idx.long(), top_idx), "top-k ids"
     assert torch.equal(got_probs, want_probs), "top-k probabilities"
     assert torch.equal(selection.counts, count_routes(top_idx, num_experts)), "counts"
-    got = fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank)
-    case = f"T={num_tokens} E={num_experts} K={topk} M={world} rank={rank} C={capacity} skew={skew}"
+    got = fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank,
+                             dest_capacity=dest_capacity)
+    case = f"T={num_tokens} E={num_experts} K={topk} M={world} rank={rank} C={capacity} skew={skew} per_dest={per_dest}"
     for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets", "row_source"):
         a, b = getattr(got, name), getattr(want, name)
         assert torch.equal(a.long(), b.long()), f"{case}: {name} differs:\n{a}\n{b}"
@@ -98,6 +102,8 @@ def main() -> int:
     ]
     for seed, case in enumerate(cases):
         check_case(*case, seed=10 * seed)
+    for seed, case in enumerate(cases[2:6]):  # capacities per destination, below and above the loads
+        check_case(*case, seed=10 * seed + 5, per_dest=True)
     check_short_token()
     print("all route-plan checks passed")
     return 0

@@ -1,0 +1,35 @@
+"""copy_row_span's torch form (CPU; the GPU test compares the Triton kernel with it) against a loop."""
+
+import pytest
+import torch
+
+from megatron_ext.kernels.row_span import copy_row_span
+
+
+def brute_force(src, dst, count, src_start, dst_start):
+    out = dst.clone()
+    for j in range(max(count, 0)):
+        s, d = src_start + j, dst_start + j
+        if 0 <= s < src.shape[0] and 0 <= d < dst.shape[0]:
+            out[d] = src[s]
+    return out
+
+
+@pytest.mark.parametrize("count,src_start,dst_start", [(0, 0, 0), (3, 0, 0), (5, 2, 7), (-4, 0, 0), (20, 1, 3),
+                                                       (4, 9, 0), (6, 0, 10)])
+@pytest.mark.parametrize("width", [None, 5])
+def test_span_equals_a_loop(count, src_start, dst_start, width):
+    shape = (10,) if width is None else (10, width)
+    src = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+    dst = -torch.ones((12,) + shape[1:])
+    want = brute_force(src, dst, count, src_start, dst_start)
+    got = copy_row_span(src, dst.clone(), torch.tensor(count), torch.tensor(src_start), torch.tensor(dst_start))
+    assert torch.equal(got, want)
+    values, values_out = torch.arange(10.0), torch.zeros(12)
+    copy_row_span(src, dst.clone(), count, src_start, dst_start, values=(values, values_out))
+    assert torch.equal(values_out, brute_force(values, torch.zeros(12), count, src_start, dst_start))
+
+
+def test_refuses_mismatched_rows():
+    with pytest.raises(ValueError, match="one width and dtype"):
+        copy_row_span(torch.zeros(4, 3), torch.zeros(4, 2), 1)

@@ -1,0 +1,161 @@
+"""A stack of MoE layers on one GPU: the dropless arena (moe/arena.py) against bounded buffers per layer.
+
+Paths (same weights, tokens and output gradients; symm transport, bf16; each layer's input is the
+previous output plus the tokens, megatron_ext.testing.moe_stack):
+  per_layer          capacity factor per layer (--capacity-factor; at EP=1 every factor >= 1 is T * K rows)
+  per_layer_moe_act  per_layer under Megatron's --recompute-modules moe_act (what the arena implies)
+  arena              the arena with regions of T * K rows (nothing runs on at EP=1)
+  arena_spill        the arena with regions of --region-factor x T * K rows: every layer runs on past
+                     its region and every layer but the last spills (the copies' cost)
+  arena_spill_graph  arena_spill, the whole stack's forward+backward captured in one CUDA graph
+Reported: device ms per stack step in turns (--rounds rounds, dense GEMMs of the step's FLOPs first
+in every round), host ms, bytes the forward leaves held for the backward plus the dispatch slots or
+arena the layers keep between steps, peak above that, blocking CUDA calls.
+At EP=1 every layer receives exactly T * K rows, so the arena holds what the others hold: this
+measures what its mechanisms cost; the rows it saves at EP > 1 are tools/dropless_memory_probe.py's.
+
+    python tools/bench_dropless_arena.py [--layers 4 --tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_after, host_time_ms, interleaved_ms,
+                                            median, peak_memory)
+from megatron_ext.bench.results import write_result
+from megatron_ext.testing.megatron_moe import load_weights, moe_config
+from megatron_ext.testing.moe_stack import stack_forward
+from megatron_ext.testing.reference import MoEWeights
+from megatron_ext.testing.single_rank import init_single_rank_megatron
+
+PATHS = ("per_layer", "per_layer_moe_act", "arena", "arena_spill", "arena_spill_graph")
+MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
+
+
+def build_stack(path: str, args):
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.moe.arena import attach_arenas
+    from megatron_ext.specs import moe_builder
+
+    if path.startswith("arena"):
+        region = args.region_factor if "spill" in path else 1.0
+        ext = MoEExtConfig(transport="symm", dropless_arena=True, capacity_factor=1.0, arena_region_factor=region)
+    else:
+        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor)
+    layers = torch.nn.ModuleList()
+    for index in range(args.layers):
+        config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
+                            dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32",
+                            **(MOE_ACT if path == "per_layer_moe_act" else {}))
+        layer = moe_builder(ext)(config=config).cuda()
+        load_weights(layer, MoEWeights.random(args.experts, args.hidden, args.ffn, seed=index, dtype=torch.bfloat16))
+        layers.append(layer)
+    if ext.dropless_arena:
+        attach_arenas(layers)
+    return layers
+
+
+def buffer_bytes(layers) -> int:
+    """Bytes the layers keep between steps outside autograd: dispatch slots, or the arena (token rows,
+    probabilities and fc1's outputs). `held` does not see them; a training step holds both."""
+    total, arenas = 0, {}
+    for layer in layers:
+        dispatcher = layer.token_dispatcher
+        if dispatcher.arena_layer is not None:
+            arenas[id(dispatcher.arena_layer.arena)] = dispatcher.arena_layer.arena
+        elif getattr(dispatcher.transport, "pool", None) is not None:
+            total += sum(slot.local.nbytes + slot.values.nbytes for slot in dispatcher.transport.pool.slots)
+    for arena in arenas.values():
+        total += sum(slot.rows.local.nbytes + slot.rows.values.nbytes + (0 if slot.fc1 is None else slot.fc1.nbytes)
+                     for slot in arena.slots)
+    return total
+
+
+def stack_step(layers, x, grad_out):
+    """(step, its static input): forward+backward of the stack from fresh gradients."""
+    x = x.clone().requires_grad_(True)
+    params = list(layers.parameters())
+
+    def step():
+        x.grad = None
+        for param in params:
+            param.grad = None
+        stack_forward(layers, x).backward(grad_out)
+    return step, x
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--region-factor", type=float, default=0.75)
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--name", default="dropless_arena")
+    args = parser.parse_args()
+    require_cuda("tools/bench_dropless_arena.py")
+    init_single_rank_megatron()
+    from megatron_ext.host_sync import capture_replay, profiled_sync_calls
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=gen).bfloat16()
+    grad_out = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
+    flops = args.layers * moe_model_flops(args.tokens, args.topk, args.hidden, args.ffn)
+    steps, rows = {"dense_gemm": dense_gemm_step(flops, args.hidden, calls=3)[0]}, []
+    for path in args.paths.split(","):
+        layers = build_stack(path, args)
+        step, static_x = stack_step(layers, x, grad_out)
+        step()
+        row = {"path": path}
+        if path.endswith("_graph"):
+            step = capture_replay(step)[0].replay
+        else:
+            row["blocking_cuda_calls"] = sum(profiled_sync_calls(step).values())
+            out, row["held_for_backward_bytes"] = held_after(lambda: stack_forward(layers, static_x))
+            out.backward(grad_out)  # the backward frees the buffers the forward leased
+            del out
+        row["buffer_bytes"] = buffer_bytes(layers)
+        row["host_ms"] = median(host_time_ms(step, warmup=2, iters=args.iters))
+        row["peak_above_baseline_bytes"] = peak_memory(step)["peak_above_baseline_bytes"]
+        metrics = [layer.read_metrics() for layer in layers]
+        row["dropped_routes"] = sum(m["dropped_routes"] for m in metrics if m)
+        arena = layers[0].token_dispatcher.arena_layer
+        if arena is not None:
+            row["arena_layout"] = vars(arena.arena.layout)
+        steps[path] = step
+        rows.append(row)
+        print(row, flush=True)
+    timed = interleaved_ms(steps, rounds=args.rounds, iters=args.iters, timer=cuda_time_ms)
+    print(f"\n{args.layers} layers x ({args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden "
+          f"{args.hidden}, ffn {args.ffn}), bf16, EP=1, in turns ({args.rounds} rounds)")
+    print(f"{'path':20s} {'device ms':>10s} {'min..max':>16s} {'vs per_layer':>12s} {'%dense':>7s} {'host ms':>8s} "
+          f"{'held+buffers MiB':>17s} {'peak MiB':>9s} {'syncs':>6s}")
+    base = timed["per_layer"]["median_ms"] if "per_layer" in timed else None
+    for row in rows:
+        t = timed[row["path"]]
+        row.update(device_ms=t["median_ms"], device_min_ms=t["min_ms"], device_max_ms=t["max_ms"],
+                   pct_dense_gemm=100 / t["ratio_to_dense_gemm"])
+        vs = f"x{t['median_ms'] / base:.3f}" if base else "-"
+        held = row.get("held_for_backward_bytes")
+        held = None if held is None else held + row["buffer_bytes"]
+        print(f"{row['path']:20s} {t['median_ms']:10.3f} {t['min_ms']:7.3f}..{t['max_ms']:7.3f} {vs:>12s} "
+              f"{row['pct_dense_gemm']:6.1f}% {row['host_ms']:8.2f} "
+              f"{'-' if held is None else f'{held / 2**20:.0f}':>17s} {row['peak_above_baseline_bytes'] / 2**20:9.0f} "
+              f"{row.get('blocking_cuda_calls', '-')!s:>6s}")
+    path = write_result(args.name, {"args": vars(args), "rows": rows, "dense_gemm_ms": timed["dense_gemm"]})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
