@@ -1,4 +1,5 @@
-"""megatron_ext's per-iteration work inside megatron.training: routing metrics and replica checks.
+"""megatron_ext's per-iteration work inside megatron.training: routing metrics and replica checks,
+and the dropless arena's attachment before the first step (moe/arena.py).
 
 `--moe-ext-metrics-interval N` prints rank 0's routing metrics every N iterations (one host read
 of the device-side counters); `--moe-ext-replica-check-interval N` checks every N iterations
@@ -96,7 +97,8 @@ def install(config: MoEExtConfig) -> bool:
     if getattr(current, "_megatron_ext_config", None) is not None:
         current._megatron_ext_config[0] = config
         return True
-    if not (config.metrics_interval or config.replica_check_interval or config.on_overflow == "error"):
+    if not (config.metrics_interval or config.replica_check_interval or config.on_overflow == "error"
+            or config.dropless_arena):
         return False
     check_hook_point()
     signature = inspect.signature(current)
@@ -104,8 +106,12 @@ def install(config: MoEExtConfig) -> bool:
 
     @functools.wraps(current)
     def train_step(*args, **kwargs):
-        result = current(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
+        if holder[0].dropless_arena:  # before the first forward; idempotent afterwards
+            from megatron_ext.moe.arena import attach_arenas
+
+            attach_arenas(bound["model"])
+        result = current(*args, **kwargs)
         args = _megatron_args()
         iteration = bound.get("iteration")
         if iteration is None:

@@ -8,11 +8,9 @@ still dropped by the fair policy in the step where they happen (the step cannot 
 to learn it); the layer counts them on the device, in place (CUDA-graph safe), and
 `OverflowGuard.check` (one host read, at logging steps: megatron_ext.training_hooks) stops
 training with CapacityExceeded naming the layer, the overflow and the capacity factor that the
-largest load seen would have needed. A shared arena across the MoE layers of a microbatch was
-evaluated and not built: torch._grouped_mm reads each group from row 0 of its input, so a layer
-whose rows start at a device-side arena offset would need a grouped GEMM with a start row (or a
-copy into a fixed per-layer buffer, which brings the per-layer capacity back); docs/design.md,
-"Route map".
+largest load seen would have needed. With `dropless_arena` the bound is one budget for the MoE layers
+of a microbatch instead (moe/arena.py; docs/design.md, "Dropless arena"); its overflows are
+counted and checked here the same way.
 """
 
 from __future__ import annotations

@@ -19,4 +19,10 @@ def test_probe_reports_the_bound_against_arrived_rows(tmp_path, capsys):
     # Regions and spill hold every layer's rows too, so they never need less than one shared budget.
     best = row["region_spill_best"]
     assert best["fits"] and best["total_factor"] >= row["factor_needed_one_budget_for_all_layers"] - 1e-9
+    # The same training with the dropless arena at the budget those demands needed: nothing
+    # overflowed, and it held no fewer rows than all layers received at once (and less than a bound per layer).
+    run = row["arena_run"]
+    assert run["overflow"] is None and run["region_factor"] == row["arena_as_built_best"]["region_factor"]
+    assert 1.0 <= run["arena_over_arrived"] <= run["per_layer_bound_needed_over_arrived_at_once"]
+    assert run["arena_rows"] >= run["arrived_rows_all_layers_at_once"]
     assert "EP2: 4 MoE layers" in capsys.readouterr().out

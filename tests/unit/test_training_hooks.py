@@ -85,3 +85,22 @@ def test_overflow_is_checked_every_log_interval():
 
     with pytest.raises(CapacityExceeded):
         training_hooks.after_train_step(model, 10, config, log_interval=5)
+
+
+def test_wrapped_train_step_attaches_the_dropless_arena_first(monkeypatch):
+    from megatron.training import training
+
+    from megatron_ext.moe import arena
+
+    seen = []
+
+    def fake_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                        forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+        seen.append(("step", model))
+
+    monkeypatch.setattr(training, "train_step", fake_train_step)
+    monkeypatch.setattr(arena, "attach_arenas", lambda model: seen.append(("attach", model)))
+    monkeypatch.setattr(training_hooks, "after_train_step", lambda *args, **kwargs: None)
+    assert training_hooks.install(MoEExtConfig(dropless_arena=True))
+    training.train_step(None, None, ["CHUNK"], None, None, None, None, iteration=1)
+    assert seen == [("attach", ["CHUNK"]), ("step", ["CHUNK"])]
