@@ -98,7 +98,13 @@ class RowwiseMoELayer(MoELayer):
         """Bounded dropless: raise CapacityExceeded if routes overflowed since the last check (a host read)."""
         if self._overflow is not None and self.token_dispatcher.transport is not None:
             dispatcher = self.token_dispatcher
-            self._overflow.check(f"MoE layer {self.layer_number}", dispatcher.capacity,
+            where = f"MoE layer {self.layer_number}"
+            if dispatcher.arena_layer is not None:
+                layout = dispatcher.arena_layer.layout
+                where += (f" (dropless arena: {layout.layers} layers share {layout.rows} rows per microbatch, "
+                          f"regions of {layout.region}; raise --moe-ext-capacity-factor for the budget, "
+                          f"--moe-ext-arena-region-factor for the rows a layer may take)")
+            self._overflow.check(where, dispatcher.capacity,
                                  dispatcher.max_tokens * dispatcher.topk, self.ext_config.capacity_factor)
 
     def read_metrics(self, reset: bool = True) -> dict | None:

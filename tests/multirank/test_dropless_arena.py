@@ -95,6 +95,7 @@ def test_beyond_the_budget_routes_drop_counted_or_raise():
     assert dropped > 0
     errors = [r["error"] for r in results if r["error"] is not None]
     assert errors and "overflowed" in errors[0] and "--moe-ext-capacity-factor (now 0.75" in errors[0]
+    assert "dropless arena: 3 layers share" in errors[0]
     for result in results:
         assert result["layout"].rows == arena_layout(LAYERS, TOKENS, TOPK, 0.75, 0.5).rows
 
