@@ -2,6 +2,9 @@
 
 Paths (same weights, tokens and output gradients; symm transport, bf16; each layer's input is the
 previous output plus the tokens, megatron_ext.testing.moe_stack):
+  megatron_gg        Megatron's alltoall dispatcher (dropless: it holds the rows that arrive, after a host
+                     wait per layer) with the same grouped experts, under --recompute-modules moe_act
+  dropless           rowwise, dropless=True (every layer sized for the worst case, EP * T * K rows)
   per_layer          capacity factor per layer (--capacity-factor; at EP=1 every factor >= 1 is T * K rows)
   per_layer_moe_act  per_layer under Megatron's --recompute-modules moe_act (what the arena implies)
   arena              the arena with regions of T * K rows (nothing runs on at EP=1)
@@ -12,14 +15,18 @@ Reported: device ms per stack step in turns (--rounds rounds, dense GEMMs of the
 in every round), host ms, bytes the forward leaves held for the backward plus the dispatch slots or
 arena the layers keep between steps, peak above that, blocking CUDA calls.
 At EP=1 every layer receives exactly T * K rows, so the arena holds what the others hold: this
-measures what its mechanisms cost; the rows it saves at EP > 1 are tools/dropless_memory_probe.py's.
+measures what its mechanisms cost. Under torchrun EP is the world size (issue 20's EP=2 figures:
+memory is the largest rank's; the arena budget is --arena-capacity-factor); --skew biases the
+routers toward rank 0's experts.
 
     python tools/bench_dropless_arena.py [--layers 4 --tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
+    torchrun --nproc-per-node 2 tools/bench_dropless_arena.py --paths megatron_gg,dropless,per_layer,arena
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -33,29 +40,38 @@ from megatron_ext.testing.moe_stack import stack_forward
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
-PATHS = ("per_layer", "per_layer_moe_act", "arena", "arena_spill", "arena_spill_graph")
+PATHS = ("megatron_gg", "dropless", "per_layer", "per_layer_moe_act", "arena", "arena_spill", "arena_spill_graph")
 MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 
 
-def build_stack(path: str, args):
+def build_stack(path: str, args, world: int):
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.moe.arena import attach_arenas
+    from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
     from megatron_ext.specs import moe_builder
+    from megatron_ext.testing.megatron_moe import megatron_moe_layer
 
+    ext = None
     if path.startswith("arena"):
-        region = args.region_factor if "spill" in path else 1.0
-        ext = MoEExtConfig(transport="symm", dropless_arena=True, capacity_factor=1.0, arena_region_factor=region)
-    else:
-        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor)
+        region = args.region_factor if "spill" in path else min(1.0, args.arena_capacity_factor)
+        ext = MoEExtConfig(transport="symm", dropless_arena=True, capacity_factor=args.arena_capacity_factor,
+                           arena_region_factor=region)
+    elif path != "megatron_gg":
+        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor, dropless=path == "dropless")
     layers = torch.nn.ModuleList()
     for index in range(args.layers):
-        config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
+        config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk, ep=world,
                             dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32",
-                            **(MOE_ACT if path == "per_layer_moe_act" else {}))
-        layer = moe_builder(ext)(config=config).cuda()
-        load_weights(layer, MoEWeights.random(args.experts, args.hidden, args.ffn, seed=index, dtype=torch.bfloat16))
+                            **(MOE_ACT if path in ("per_layer_moe_act", "megatron_gg") else {}))
+        if ext is None:
+            layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
+        else:
+            layer = moe_builder(ext)(config=config)
+        weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=index, dtype=torch.bfloat16)
+        weights.router[: max(1, args.experts // 8)] += args.skew  # toward rank 0's experts
+        load_weights(layer.cuda(), weights)
         layers.append(layer)
-    if ext.dropless_arena:
+    if ext is not None and ext.dropless_arena:
         attach_arenas(layers)
     return layers
 
@@ -66,7 +82,7 @@ def buffer_bytes(layers) -> int:
     total, arenas = 0, {}
     for layer in layers:
         dispatcher = layer.token_dispatcher
-        if dispatcher.arena_layer is not None:
+        if getattr(dispatcher, "arena_layer", None) is not None:
             arenas[id(dispatcher.arena_layer.arena)] = dispatcher.arena_layer.arena
         elif getattr(dispatcher.transport, "pool", None) is not None:
             total += sum(slot.local.nbytes + slot.values.nbytes for slot in dispatcher.transport.pool.slots)
@@ -98,23 +114,32 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--region-factor", type=float, default=0.75)
+    parser.add_argument("--region-factor", type=float, default=0.75, help="arena_spill's regions (x T * K)")
+    parser.add_argument("--arena-capacity-factor", type=float, default=1.0, help="the arena paths' budget")
+    parser.add_argument("--skew", type=float, default=0.0, help="added to the router rows of rank 0's experts")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="dropless_arena")
     args = parser.parse_args()
     require_cuda("tools/bench_dropless_arena.py")
-    init_single_rank_megatron()
+    world, rank = 1, 0
+    if "WORLD_SIZE" in os.environ:  # torchrun: EP = world size
+        from megatron_ext.bench.ep_distributed import init_distributed
+
+        ranks = init_distributed("cuda")
+        world, rank = ranks.world, ranks.rank
+    else:
+        init_single_rank_megatron()
     from megatron_ext.host_sync import capture_replay, profiled_sync_calls
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(args.tokens, 1, args.hidden, device="cuda", generator=gen).bfloat16()
     grad_out = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
     flops = args.layers * moe_model_flops(args.tokens, args.topk, args.hidden, args.ffn)
     steps, rows = {"dense_gemm": dense_gemm_step(flops, args.hidden, calls=3)[0]}, []
     for path in args.paths.split(","):
-        layers = build_stack(path, args)
+        layers = build_stack(path, args, world)
         step, static_x = stack_step(layers, x, grad_out)
         step()
         row = {"path": path}
@@ -128,17 +153,22 @@ def main():
         row["buffer_bytes"] = buffer_bytes(layers)
         row["host_ms"] = median(host_time_ms(step, warmup=2, iters=args.iters))
         row["peak_above_baseline_bytes"] = peak_memory(step)["peak_above_baseline_bytes"]
-        metrics = [layer.read_metrics() for layer in layers]
+        metrics = [layer.read_metrics() for layer in layers if hasattr(layer, "read_metrics")]
         row["dropped_routes"] = sum(m["dropped_routes"] for m in metrics if m)
-        arena = layers[0].token_dispatcher.arena_layer
+        row = _largest_rank(row, world)
+        arena = getattr(layers[0].token_dispatcher, "arena_layer", None)
         if arena is not None:
             row["arena_layout"] = vars(arena.arena.layout)
         steps[path] = step
         rows.append(row)
-        print(row, flush=True)
+        if rank == 0:
+            print(row, flush=True)
     timed = interleaved_ms(steps, rounds=args.rounds, iters=args.iters, timer=cuda_time_ms)
+    if rank != 0:
+        return finish(world, None, args)
     print(f"\n{args.layers} layers x ({args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden "
-          f"{args.hidden}, ffn {args.ffn}), bf16, EP=1, in turns ({args.rounds} rounds)")
+          f"{args.hidden}, ffn {args.ffn}), bf16, EP={world}, in turns ({args.rounds} rounds; memory: the largest "
+          f"rank's)")
     print(f"{'path':20s} {'device ms':>10s} {'min..max':>16s} {'vs per_layer':>12s} {'%dense':>7s} {'host ms':>8s} "
           f"{'held+buffers MiB':>17s} {'peak MiB':>9s} {'syncs':>6s}")
     base = timed["per_layer"]["median_ms"] if "per_layer" in timed else None
@@ -153,8 +183,30 @@ def main():
               f"{row['pct_dense_gemm']:6.1f}% {row['host_ms']:8.2f} "
               f"{'-' if held is None else f'{held / 2**20:.0f}':>17s} {row['peak_above_baseline_bytes'] / 2**20:9.0f} "
               f"{row.get('blocking_cuda_calls', '-')!s:>6s}")
-    path = write_result(args.name, {"args": vars(args), "rows": rows, "dense_gemm_ms": timed["dense_gemm"]})
-    print(f"wrote {path}")
+    finish(world, {"args": vars(args), "ep": world, "rows": rows, "dense_gemm_ms": timed["dense_gemm"]}, args)
+
+
+def _largest_rank(row: dict, world: int) -> dict:
+    """Memory and drops: the largest rank's (every rank calls this in the same order)."""
+    if world == 1:
+        return row
+    import torch.distributed as dist
+
+    keys = [k for k in ("held_for_backward_bytes", "buffer_bytes", "peak_above_baseline_bytes", "dropped_routes")
+            if k in row]
+    values = torch.tensor([float(row[k]) for k in keys], device="cuda", dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {**row, **{k: int(v) for k, v in zip(keys, values.tolist())}}
+
+
+def finish(world: int, payload, args) -> None:
+    if payload is not None:
+        print(f"wrote {write_result(args.name, payload)}")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

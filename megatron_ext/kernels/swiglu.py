@@ -7,26 +7,60 @@ tail and letting tail garbage (NaN, stale rows) flow into gradients. The Triton 
 Cost accepted: tail rows of the outputs are left unwritten (the grouped GEMMs never read them).
 
 Layout: `h` [C, 2F] with gate in columns [0, F) and up in [F, 2F) (Megatron's fc1 order).
+
+With a dropless arena (moe/arena.py) `h` may live at a `RowPlace` instead: row r < P at
+`region_start + r` of the arena's fc1 rows, row r >= P at `spill[0] + r - P`. The forward then
+stores the rows it reads there (`save_to`: fc1's output kept without a copy kernel) or reads
+them from there (`read_from`: the recomputation and the backward read the kept rows in place).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 
+@dataclass(frozen=True)
+class RowPlace:
+    """Where a buffer's rows live in an arena: rows [rows_total, 2F], the layer's region start and
+    length P (host ints), and the arena row of buffer row P (a device int64 scalar)."""
+
+    rows: torch.Tensor
+    region_start: int
+    region: int
+    spill: torch.Tensor
+
+
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, HAS_PROB: tl.constexpr,
-                       BLOCK_F: tl.constexpr):
+def _arena_row(row, region_start, region, spill_ptr):
+    """The arena row of buffer row `row` (RowPlace)."""
+    return tl.where(row < region, region_start + row, tl.load(spill_ptr) + row - region).to(tl.int64)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, place_ptr, region_start, region, spill_ptr,
+                       HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr, READ_PLACE: tl.constexpr,
+                       SAVE_PLACE: tl.constexpr):
     row = tl.program_id(0)
     if row >= tl.load(valid_ptr):
         return
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < F
     base = row.to(tl.int64) * 2 * F
-    gate = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F + cols, mask=mask, other=0.0).to(tl.float32)
+    if READ_PLACE:
+        base = _arena_row(row, region_start, region, spill_ptr) * 2 * F
+        h_ptr = place_ptr
+    gate = tl.load(h_ptr + base + cols, mask=mask, other=0.0)
+    up = tl.load(h_ptr + base + F + cols, mask=mask, other=0.0)
+    if SAVE_PLACE:
+        kept = _arena_row(row, region_start, region, spill_ptr) * 2 * F
+        tl.store(place_ptr + kept + cols, gate, mask=mask)
+        tl.store(place_ptr + kept + F + cols, up, mask=mask)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
     act = gate * tl.sigmoid(gate) * up
     if HAS_PROB:
         act = act * tl.load(prob_ptr + row).to(tl.float32)
@@ -34,13 +68,16 @@ def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, HAS_PROB: tl.cons
 
 
 @triton.jit
-def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, valid_ptr, F,
-                       HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr):
+def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, valid_ptr, F, region_start, region,
+                       spill_ptr, HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr, READ_PLACE: tl.constexpr):
     # One program per row (loops over F) so the prob gradient is a plain per-row dot product.
     row = tl.program_id(0)
     if row >= tl.load(valid_ptr):
         return
     base = row.to(tl.int64) * 2 * F
+    h_base = base
+    if READ_PLACE:
+        h_base = _arena_row(row, region_start, region, spill_ptr) * 2 * F
     prob = 1.0
     if HAS_PROB:
         prob = tl.load(prob_ptr + row).to(tl.float32)
@@ -49,8 +86,8 @@ def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, val
         cols = start + tl.arange(0, BLOCK_F)
         mask = cols < F
         grad = tl.load(grad_ptr + row.to(tl.int64) * F + cols, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + base + F + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + h_base + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + h_base + F + cols, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
         silu = gate * sig
         prob_dot += grad * silu * up
@@ -94,31 +131,49 @@ def _backward_torch(grad, h, prob, valid_rows):
     return grad_h, grad_prob
 
 
-def swiglu_forward(h: torch.Tensor, valid_rows: torch.Tensor, prob: torch.Tensor | None) -> torch.Tensor:
-    """The activation of rows < valid_rows (0-d int32 on h's device); no autograd. CPU: torch, tail zero."""
-    if not h.is_cuda:
+def _place_args(place: RowPlace | None, like: torch.Tensor) -> tuple:
+    if place is None:
+        return like, 0, 0, like
+    return place.rows, place.region_start, place.region, place.spill
+
+
+def swiglu_forward(h: torch.Tensor | None, valid_rows: torch.Tensor, prob: torch.Tensor | None,
+                   save_to: RowPlace | None = None, read_from: RowPlace | None = None,
+                   rows: int | None = None) -> torch.Tensor:
+    """The activation of rows < valid_rows (0-d int32 on h's device); no autograd. CPU: torch, tail zero.
+    CUDA only: `save_to` also stores h's rows at that place; `read_from` reads them there instead
+    of from `h` (None; `rows` then gives the buffer's rows)."""
+    if read_from is None and not h.is_cuda:
         return _forward_torch(h, prob, valid_rows)
-    rows, two_f = h.shape
-    F = two_f // 2
-    out = torch.empty(rows, F, dtype=h.dtype, device=h.device)
+    source = h if read_from is None else read_from.rows
+    rows = h.shape[0] if read_from is None else rows
+    F = source.shape[1] // 2
+    out = torch.empty(rows, F, dtype=source.dtype, device=source.device)
     block = _block_f(F)
-    _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](h, prob if prob is not None else h, out, valid_rows, F,
-                                                      HAS_PROB=prob is not None, BLOCK_F=block)
+    place, region_start, region, spill = _place_args(save_to or read_from, source)
+    _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](
+        source, prob if prob is not None else source, out, valid_rows, F, place, region_start, region, spill,
+        HAS_PROB=prob is not None, BLOCK_F=block, READ_PLACE=read_from is not None, SAVE_PLACE=save_to is not None)
     return out
 
 
-def swiglu_backward(grad: torch.Tensor, h: torch.Tensor, prob: torch.Tensor | None, valid_rows: torch.Tensor):
+def swiglu_backward(grad: torch.Tensor, h: torch.Tensor | None, prob: torch.Tensor | None, valid_rows: torch.Tensor,
+                    read_from: RowPlace | None = None):
     """(d h, d prob or None) for rows < valid_rows from the activation's gradient; no autograd.
-    Tail rows of d prob are zero (it is tiny and callers may reduce over it); of d h, unwritten."""
+    Tail rows of d prob are zero (it is tiny and callers may reduce over it); of d h, unwritten.
+    `read_from` (CUDA): h's rows are read at that place (h None)."""
     grad = grad.contiguous()
-    if not h.is_cuda:
+    if read_from is None and not h.is_cuda:
         return _backward_torch(grad, h, prob, valid_rows)
-    rows, two_f = h.shape
-    grad_h = torch.empty_like(h)
+    source = h if read_from is None else read_from.rows
+    rows, two_f = grad.shape[0], source.shape[1]
+    grad_h = torch.empty(rows, two_f, dtype=source.dtype, device=source.device)
     grad_prob = torch.zeros_like(prob) if prob is not None else None
-    _swiglu_bwd_kernel[(rows,)](grad, h, prob if prob is not None else h, grad_h,
-                                grad_prob if grad_prob is not None else h, valid_rows, two_f // 2,
-                                HAS_PROB=prob is not None, BLOCK_F=min(1024, _block_f(two_f // 2)))
+    _, region_start, region, spill = _place_args(read_from, source)
+    _swiglu_bwd_kernel[(rows,)](grad, source, prob if prob is not None else source, grad_h,
+                                grad_prob if grad_prob is not None else source, valid_rows, two_f // 2,
+                                region_start, region, spill, HAS_PROB=prob is not None,
+                                BLOCK_F=min(1024, _block_f(two_f // 2)), READ_PLACE=read_from is not None)
     return grad_h, grad_prob
 
 

@@ -27,16 +27,21 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
     def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs, recompute_activation: bool, arena):
         valid_rows = offsets[-1]
         fc1_out = torch._grouped_mm(hidden, fc1_weight.transpose(1, 2), offs=offsets)
-        act = swiglu_forward(fc1_out, valid_rows, probs)
         ctx.arena = arena
         if arena is None:
+            act = swiglu_forward(fc1_out, valid_rows, probs)
             ctx.save_for_backward(hidden, fc1_weight, fc2_weight, offsets, probs)
             # The two intermediates live on ctx, not in saved_tensors, so backward can drop each as
             # soon as its last reader has run: peak memory as in torch's own three-node backward.
             ctx.intermediates = [fc1_out, None if recompute_activation else act]
         else:  # moe/arena.py: the rows stay in the arena, fc1's output moves there, the activation is recomputed
             arena.keep_inputs(valid_rows)
-            arena.keep_fc1(fc1_out, valid_rows)
+            if fc1_out.is_cuda:  # the SwiGLU kernel stores fc1's rows in the arena as it reads them
+                place = arena.fc1_place(fc1_out.shape[1], fc1_out.dtype)
+                act = swiglu_forward(fc1_out, valid_rows, probs, save_to=place)
+            else:
+                act = swiglu_forward(fc1_out, valid_rows, probs)
+                arena.keep_fc1(fc1_out, valid_rows)
             ctx.save_for_backward(fc1_weight, fc2_weight, offsets)
             ctx.arena_inputs = (hidden, probs)  # on ctx: the arena's copies write their storage (version counter)
             ctx.intermediates = [None, None]
@@ -51,17 +56,21 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
                                "intermediates are released by the first backward: run the forward again")
         fc1_out, act = ctx.intermediates
         ctx.intermediates = None
+        place = None  # where fc1's rows are read from in an arena (CUDA), instead of fc1_out
         if ctx.arena is None:
             hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
         else:
             (fc1_weight, fc2_weight, offsets), (hidden, probs) = ctx.saved_tensors, ctx.arena_inputs
             ctx.arena.restore_inputs(offsets[-1])
-            fc1_out = ctx.arena.restore_fc1(offsets[-1])
+            if hidden.is_cuda:  # the SwiGLU kernels read fc1's rows where the forward kept them
+                place = ctx.arena.fc1_place(fc1_weight.shape[1], fc1_weight.dtype)
+            else:
+                fc1_out = ctx.arena.restore_fc1(offsets[-1])
         need_hidden, need_fc1, need_fc2, _, need_probs, _, _ = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
         need_act_grad = need_hidden or need_fc1 or need_probs
         if act is None and need_fc2:  # recomputed, alive through both fc2 GEMMs as if it had been kept
-            act = swiglu_forward(fc1_out, offsets[-1], probs)
+            act = swiglu_forward(fc1_out, offsets[-1], probs, read_from=place, rows=grad_out.shape[0])
         # fc2's two gradients while the activation is alive, then release it (torch's own order).
         # Releasing it between them hands its memory to the next GEMM's output; inside a captured
         # backward that gave NaN weight gradients in replays (tests/gpu/test_graph_runner_gpu.py,
@@ -71,7 +80,7 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         del act
         if not need_act_grad:
             return None, None, grad_fc2, None, None, None, None
-        grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1])
+        grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1], read_from=place)
         del grad_act, fc1_out
         grad_hidden = torch._grouped_mm(grad_fc1_out, fc1_weight, offs=offsets) if need_hidden else None
         grad_fc1 = torch._grouped_mm(grad_fc1_out.t(), hidden, offs=offsets) if need_fc1 else None
