@@ -84,7 +84,7 @@ def buffer_bytes(layers) -> int:
         dispatcher = layer.token_dispatcher
         if getattr(dispatcher, "arena_layer", None) is not None:
             arenas[id(dispatcher.arena_layer.arena)] = dispatcher.arena_layer.arena
-        elif getattr(dispatcher.transport, "pool", None) is not None:
+        elif getattr(getattr(dispatcher, "transport", None), "pool", None) is not None:
             total += sum(slot.local.nbytes + slot.values.nbytes for slot in dispatcher.transport.pool.slots)
     for arena in arenas.values():
         total += sum(slot.rows.local.nbytes + slot.rows.values.nbytes + (0 if slot.fc1 is None else slot.fc1.nbytes)
