@@ -213,22 +213,26 @@ class ArenaLayer:
             slot.views[self.index] = SymmetricBuffer(
                 buffer.local[start:start + rows], buffer.peer_table + start * row_bytes, buffer.handle,
                 buffer.values[start:start + rows], buffer.values_table + start * 4)
-        return ArenaLease(self, slot)
+        return ArenaLease(self, slot, forward_only=not torch.is_grad_enabled())
 
 
 @dataclass
 class ArenaLease:
-    """What a transport's dispatch holds (as a LeasePool lease): freeing layer 0's frees the microbatch."""
+    """What a transport's dispatch holds (as a LeasePool lease). With a backward to come, layer 0's
+    release (its dispatch backward, the microbatch's last) frees the slot; in a forward without
+    one (evaluation), each layer releases at its combine and the last layer's frees it."""
 
     layer: ArenaLayer
     slot: _Slot
+    forward_only: bool = False
 
     @property
     def buffer(self) -> SymmetricBuffer:
         return self.slot.views[self.layer.index]
 
     def release(self) -> None:
-        if self.layer.index == 0:
+        last = self.layer.layout.is_last(self.layer.index)
+        if (last if self.forward_only else self.layer.index == 0):
             self.layer.arena.free(self.slot)
 
     def place(self, rows: torch.Tensor, values: torch.Tensor, valid_rows: torch.Tensor) -> None:

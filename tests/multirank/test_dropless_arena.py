@@ -17,7 +17,7 @@ from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
-from megatron_ext.testing.moe_stack import stack_step
+from megatron_ext.testing.moe_stack import stack_forward, stack_step
 from megatron_ext.testing.reference import MoEWeights
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOPK, LAYERS = 32, 32, 16, 8, 2, 3
@@ -114,3 +114,22 @@ def test_layout_and_settings_are_checked():
         MoEExtConfig(dropless_arena=True, cuda_graphs=True)
     with pytest.raises(ValueError, match="mxfp8_dispatch"):
         MoEExtConfig(dropless_arena=True, mxfp8_dispatch=True)
+
+
+def _evaluation_rank(rank, world):
+    x, _ = rank_tokens(rank, TOKENS, HIDDEN)
+    x = x.view(TOKENS, 1, HIDDEN)
+    arena_stack = _stack(world, 0.25, dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.75)
+    (arena,) = attach_arenas(arena_stack)
+    dropless = _stack(world, 0.25, dropless=True)
+    with torch.no_grad():  # evaluation: no backward frees the microbatch, the last layer's combine does
+        outs = [(stack_forward(arena_stack, x), stack_forward(dropless, x)) for _ in range(2)]
+    busy_after_eval = [slot.busy for slot in arena.slots]
+    got = _step(arena_stack, x, x)  # training still runs after evaluation
+    want = _step(dropless, x, x)
+    return [torch.equal(a, b) for a, b in outs], busy_after_eval, all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_evaluation_forwards_free_the_arena_and_equal_dropless():
+    for outs_equal, busy, trained_equal in run_on_ranks(_evaluation_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert outs_equal == [True, True] and busy == [False] and trained_equal
