@@ -32,6 +32,7 @@ import torch
 
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.layer_shape import add_layer_shape_args
 from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_after, host_time_ms, interleaved_ms,
                                             median, peak_memory)
 from megatron_ext.bench.results import write_result
@@ -108,12 +109,7 @@ def stack_step(layers, x, grad_out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    add_layer_shape_args(parser)
     parser.add_argument("--region-factor", type=float, default=0.75, help="arena_spill's regions (x T * K)")
     parser.add_argument("--arena-capacity-factor", type=float, default=1.0, help="the arena paths' budget")
     parser.add_argument("--skew", type=float, default=0.0, help="added to the router rows of rank 0's experts")

@@ -35,6 +35,7 @@ import torch
 
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.layer_shape import add_layer_shape_args
 from megatron_ext.bench.kernel_profile import profile_kernels
 from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_for_backward, host_time_ms,
                                             make_step, median, peak_memory)
@@ -179,12 +180,7 @@ def interleaved_ab(args, weights, x, grad_out, paths: str, device: bool, flops: 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    add_layer_shape_args(parser)
     parser.add_argument("--dropless", action="store_true")
     parser.add_argument("--aux-loss-coeff", type=float, default=0.0,
                         help="Megatron's load-balancing loss (aux_loss) with this coefficient; 0: none")

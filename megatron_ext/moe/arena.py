@@ -179,8 +179,8 @@ class ArenaLayer:
     def capacity(self) -> int:
         return self.layout.view_rows(self.index)
 
-    def capacities(self) -> torch.Tensor:
-        """[M] rows each destination can take in this layer (device), opening the arena at layer 0."""
+    def begin_forward(self) -> torch.Tensor:
+        """This forward's [M] rows each destination can take (device); layer 0 opens a slot first."""
         arena = self.arena
         if self.index == 0:
             arena.open()

@@ -109,7 +109,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         dest_capacity = None
         if self.arena_layer is not None:  # the plan's capacities come from the microbatch's arena
             self._allocate_arena(hidden)
-            dest_capacity = self.arena_layer.capacities()
+            dest_capacity = self.arena_layer.begin_forward()
         if self.selection is not None:
             self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
                                                 need_row_source=getattr(self.transport, "reads_row_source", True),

@@ -19,7 +19,7 @@ from tests.gpu import test_graph_runner_gpu as graph_runner_tests
 pytestmark = pytest.mark.gpu
 SHAPE = graph_runner_tests.SHAPE
 single_rank = graph_runner_tests.single_rank
-TOKENS, LAYERS = 1024, 3
+TOKENS, LAYERS = 1024, 3  # the graph-runner tests' microbatch
 ARENA = dict(dropless_arena=True, capacity_factor=1.0, arena_region_factor=0.75)
 NAMES = ["output", "input grad"] + [f"layer {i} {p} grad" for i in range(LAYERS) for p in ("router", "fc1", "fc2")]
 
@@ -37,10 +37,7 @@ def make_stack(**ext):
     return layers
 
 
-def batch(seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(TOKENS, 1, SHAPE["hidden"], device="cuda", generator=gen).bfloat16()
-    return x, torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
+batch = graph_runner_tests.microbatch  # [1024, 1, hidden] tokens and output gradient, seeded
 
 
 def assert_equal(got, want, what):
