@@ -36,3 +36,18 @@ def test_fused_route_map_phases_are_ordered_on_simulated_ranks():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok fused_") == 2, proc.stdout
+
+
+def test_dropless_arena_spills_are_ordered_on_simulated_ranks():
+    """The arena's layers on 2 and 4 simulated ranks: each layer's spill out of region i+1 comes
+    before any peer PUTs the next layer's rows there, and comes back before the backward reads."""
+    out = run_under_interpreter("_arena_ordering_interp.py", timeout=300)
+    assert out.count("ok ep") == 3 and "FAIL" not in out, out
+
+
+def test_a_spill_after_the_next_dispatch_is_caught():
+    for mutation in ("--spill-deferred", "--no-spill"):
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_arena_ordering_interp.py"),
+                               mutation, "--case", "ep2_spills_late_rank0"], env=dict(os.environ, TRITON_INTERPRET="1"),
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and "rows read by the backward wrong" in proc.stdout, proc.stdout + proc.stderr
