@@ -117,6 +117,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="dropless_arena")
+    parser.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
     args = parser.parse_args()
     require_cuda("tools/bench_dropless_arena.py")
     world, rank = 1, 0
@@ -197,7 +198,8 @@ def _largest_rank(row: dict, world: int) -> dict:
 
 def finish(world: int, payload, args) -> None:
     if payload is not None:
-        print(f"wrote {write_result(args.name, payload)}")
+        kwargs = {} if args.results_dir is None else {"results_dir": args.results_dir}
+        print(f"wrote {write_result(args.name, payload, **kwargs)}")
     if world > 1:
         import torch.distributed as dist
 

@@ -17,6 +17,9 @@
 #               deepep      pytest tests/gpu/test_deepep_multigpu.py, if that file exists
 #               transport   torchrun tools/bench_transport.py (PUT/GET GB/s per GPU vs 450 GB/s)
 #               ep          torchrun tools/bench_ep.py (EP layer benchmark, report's EP8 shape)
+#               arena       torchrun tools/bench_dropless_arena.py (4 MoE layers: the dropless arena against
+#                           Megatron's dropless path, the worst case and per-layer bounds; memory of the
+#                           largest rank, skewed routing; issue 20's EP>1 figures)
 #               functional  tests/functional_tests/runner.py on the 8-GPU case (gpt/moe_rowwise_ep8,
 #                           else the first gpt/moe_rowwise_ep8* case); 8 GPUs only. Without golden
 #                           values it generates them (--generate) and says so.
@@ -33,7 +36,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY=python3
-ALL_STEPS=(preflight rowwise faults ddp deepep transport ep functional)
+ALL_STEPS=(preflight rowwise faults ddp deepep transport ep arena functional)
 RESULTS_DIR="$REPO/bench/results"
 
 export NCCL_NVLS_ENABLE=0
@@ -41,7 +44,7 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
 # Per-step wall-clock limits in seconds (coreutils timeout; the step is killed and counted FAILED).
-declare -A LIMIT=([preflight]=120 [rowwise]=570 [faults]=300 [ddp]=240 [deepep]=480 [transport]=300 [ep]=480 [functional]=1320)
+declare -A LIMIT=([preflight]=120 [rowwise]=570 [faults]=300 [ddp]=240 [deepep]=480 [transport]=300 [ep]=480 [arena]=420 [functional]=1320)
 
 usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
 
@@ -209,6 +212,14 @@ step_ep() {
     finish_step ep $?
 }
 
+step_arena() {
+    # shellcheck disable=SC2046
+    run_logged arena $(torchrun_cmd) tools/bench_dropless_arena.py --results-dir "$RESULTS_DIR" \
+        --paths megatron_gg,dropless,per_layer,per_layer_moe_act,arena,arena_spill --arena-capacity-factor 1.25 \
+        --region-factor 0.9 --skew 0.25
+    finish_step arena $?
+}
+
 functional_case() {  # the 8-GPU rowwise case that exists, or nothing
     local root=tests/functional_tests/test_cases
     if [ -d "$root/gpt/moe_rowwise_ep8" ]; then echo gpt/moe_rowwise_ep8; return; fi
@@ -254,6 +265,7 @@ for step in "${STEPS[@]}"; do
         deepep) run_pytest_file deepep tests/gpu/test_deepep_multigpu.py ;;
         transport) step_transport ;;
         ep) step_ep ;;
+        arena) step_arena ;;
         functional) step_functional ;;
     esac
 done

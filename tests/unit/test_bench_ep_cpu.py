@@ -100,7 +100,8 @@ def test_multigpu_check_script_syntax_and_plan():
                      "pytest -q -rs -p no:cacheprovider tests/gpu/test_rank_death_multigpu.py",
                      "pytest -q -rs -p no:cacheprovider tests/gpu/test_ddp_megatron_gpu.py",
                      "--nproc-per-node 8 tools/bench_transport.py",
-                     "--nproc-per-node 8 tools/bench_ep.py"):
+                     "--nproc-per-node 8 tools/bench_ep.py",
+                     "--nproc-per-node 8 tools/bench_dropless_arena.py"):
         assert expected in out, out
     assert "=== multigpu_check summary (8 GPUs)" in out
     two = subprocess.run(["bash", SCRIPT, "--dry-run", "--steps", "ep,functional", "2"], capture_output=True,
