@@ -156,6 +156,74 @@ def test_symm_stress_ep2_against_torch_transport():
     _spawn(_stress_rank, 2)
 
 
+# ----------------------------------------------------------------------------- dropless arena (issue 20)
+ARENA_LAYERS, ARENA_STEPS = 3, 10
+
+
+def _arena_stack(world, **ext):
+    """ARENA_LAYERS rowwise layers (symm transport), each with its own seeded weights, routers
+    biased toward rank 0's first expert so that rank runs past its region and spills."""
+    from megatron_ext.moe.arena import attach_arenas
+    from megatron_ext.testing.reference import MoEWeights
+
+    layers = torch.nn.ModuleList()
+    for index in range(ARENA_LAYERS):
+        weights = MoEWeights.random(EXPERTS_PER_RANK * world, SHAPE["hidden"], SHAPE["ffn"], seed=60 + index,
+                                    dtype=torch.bfloat16)
+        weights.router[0] += 0.05
+        layers.append(ep_layer("symm", world, weights, **ext))
+    if ext.get("dropless_arena"):
+        attach_arenas(layers)
+    return layers
+
+
+def _arena_rank(rank, world, port):
+    from megatron_ext.testing.moe_stack import stack_forward, stack_grads
+
+    _init(rank, world, port)
+    spilled = 0
+    for live in (1, 2):
+        for poison in (False, True):
+            arena = _arena_stack(world, dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.75,
+                                 lease_slots=live, debug_poison=poison)
+            dropless = _arena_stack(world, dropless=True, lease_slots=live)
+            region = arena[0].token_dispatcher.arena_layer.layout.region
+            for step in range(ARENA_STEPS):
+                batches = [_inputs(rank, 300 + 10 * step + mb, tokens=512) for mb in range(live)]
+                order = list(range(live)) if step % 2 else list(reversed(range(live)))
+                results = []
+                for stack in (arena, dropless):
+                    for p in stack.parameters():
+                        p.grad = None
+                    xs = [x.clone().requires_grad_(True) for x, _ in batches]
+                    outs = [stack_forward(stack, x) for x in xs]  # every forward, then the backwards
+                    received = [int(layer.token_dispatcher.route_map.recv_offsets[-1]) for layer in stack]
+                    for i in order:
+                        outs[i].backward(batches[i][1])
+                    results.append(([o.detach() for o in outs], [x.grad for x in xs], stack_grads(stack), received))
+                where = f"rank {rank} live {live} poison {poison} step {step}"
+                (got, got_x, got_w, received), (want, want_x, want_w, _) = results
+                spilled += sum(max(r - region, 0) for r in received[:-1])
+                dropped = sum(int(layer.read_metrics()["dropped_routes"]) for layer in arena)
+                assert dropped == 0, f"{where}: the arena dropped {dropped} routes (budget too small for the skew)"
+                for mb in range(live):
+                    assert torch.equal(got[mb], want[mb]), f"{where} mb {mb}: output differs from dropless"
+                    assert torch.equal(got_x[mb], want_x[mb]), f"{where} mb {mb}: input grad differs from dropless"
+                for index, (a, b) in enumerate(zip(got_w, want_w)):
+                    assert torch.equal(a, b), f"{where}: weight grad {index} differs from dropless"
+    total = torch.tensor([spilled], device="cuda")
+    torch.distributed.all_reduce(total)
+    assert int(total) > 0, "no layer spilled: the test did not exercise the spill"
+    _finish()
+
+
+def test_dropless_arena_equals_dropless_at_ep2():
+    """Three layers sharing one arena per microbatch, the first two spilling, equal bitwise to
+    dropless=True over 10 steps of fresh routes, one and two live microbatches in both backward
+    orders, poison on and off: the spills and the next layers' PUTs keep their order across GPUs."""
+    _spawn(_arena_rank, 2)
+
+
 # ----------------------------------------------------------------------------- failed capture (item 3)
 def _failed_capture_rank(rank, world, port):
     weights = _init(rank, world, port)
