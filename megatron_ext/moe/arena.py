@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_ext.kernels.row_span import copy_row_span
-from megatron_ext.kernels.swiglu import RowPlace
+from megatron_ext.moe.arena_rows import ArenaRows
 from megatron_ext.moe.buffers import SymmetricBuffer, poison, poison_then_fence, rows_with_values
 from megatron_ext.moe.capacity import ROW_ALIGN, _round_up
 
@@ -246,83 +245,6 @@ class ArenaLease:
         keep = run_on < valid_rows - region
         view.local[region:].copy_(torch.where(keep[:, None], rows[region:], view.local[region:]))
         view.values[region:].copy_(torch.where(keep, values[region:], view.values[region:]))
-
-
-@dataclass
-class ArenaRows:
-    """One layer forward's rows in the arena, handed to the experts (moe/expert_rows.RowGroups)."""
-
-    layer: ArenaLayer
-    slot: _Slot
-    start: torch.Tensor  # [] int64, the shared-area row of this layer's row P
-    _fc1_spill: torch.Tensor | None = None  # [] int64, the fc1 arena's row of this layer's row P
-
-    def keep_inputs(self, valid_rows: torch.Tensor) -> None:
-        """After the experts' first read: a non-last layer's rows past P (and their probabilities)
-        move to the shared area before the next layer's dispatch reuses region i+1."""
-        if self.layer.layout.is_last(self.layer.index):
-            return
-        view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
-        copy_row_span(view.local[region:], rows.local[shared], valid_rows - region, dst_start=self.start,
-                      values=(view.values[region:], rows.values[shared]))
-
-    def restore_inputs(self, valid_rows: torch.Tensor) -> None:
-        """Before the experts' backward: the spilled rows and probabilities back after row P."""
-        if self.layer.layout.is_last(self.layer.index):
-            return
-        view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
-        copy_row_span(rows.local[shared], view.local[region:], valid_rows - region, src_start=self.start,
-                      values=(rows.values[shared], view.values[region:]))
-
-    def _fc1_arena(self, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """The slot's local fc1 arena (allocated at the experts' first forward)."""
-        slot = self.slot
-        if slot.fc1 is None:
-            slot.fc1 = torch.empty(self.layer.layout.rows, width, dtype=dtype, device=slot.rows.local.device)
-        elif slot.fc1.shape[1] != width or slot.fc1.dtype != dtype:
-            raise ValueError(f"the MoE arena keeps fc1 outputs of {slot.fc1.shape[1]} {slot.fc1.dtype}, a layer "
-                             f"made {width} {dtype}: the arena's layers must share expert sizes")
-        return slot.fc1
-
-    def keep_fc1(self, fc1_out: torch.Tensor, valid_rows: torch.Tensor) -> None:
-        """fc1's output [C, F'] -> the local fc1 arena (same layout as the rows): rows below P to
-        the layer's region, the rest where its spill goes (the torch form of the SwiGLU kernel's
-        `save_to`)."""
-        slot = self.slot
-        self._fc1_arena(fc1_out.shape[1], fc1_out.dtype)
-        region = self.region
-        copy_row_span(fc1_out[:region], slot.fc1[self._region_rows], valid_rows)
-        copy_row_span(fc1_out[region:], slot.fc1[self.shared], valid_rows - region, dst_start=self.start)
-
-    def fc1_place(self, width: int, dtype: torch.dtype) -> RowPlace:
-        """Where this layer's fc1 rows live in the fc1 arena, for the SwiGLU kernels to write and read
-        in place (CUDA; kernels/swiglu.py)."""
-        slot, layout = self.slot, self.layer.layout
-        self._fc1_arena(width, dtype)
-        if self._fc1_spill is None:
-            self._fc1_spill = self.start + layout.layers * layout.region
-        return RowPlace(slot.fc1, self.layer.index * self.region, self.region, self._fc1_spill)
-
-    def restore_fc1(self, valid_rows: torch.Tensor) -> torch.Tensor:
-        """A fresh [C, F'] fc1 output, valid below the layer's received rows."""
-        fc1, region = self.slot.fc1, self.region
-        out = fc1.new_empty(self.layer.capacity, fc1.shape[1])
-        copy_row_span(fc1[self._region_rows], out[:region], valid_rows)
-        copy_row_span(fc1[self.shared], out[region:], valid_rows - region, src_start=self.start)
-        return out
-
-    @property
-    def region(self) -> int:
-        return self.layer.layout.region
-
-    @property
-    def shared(self) -> slice:
-        layout = self.layer.layout
-        return slice(layout.layers * layout.region, layout.rows)
-
-    @property
-    def _region_rows(self) -> slice:
-        return slice(self.layer.index * self.region, (self.layer.index + 1) * self.region)
 
 
 def attach_arenas(model) -> list[RowArena]:

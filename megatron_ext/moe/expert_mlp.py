@@ -94,7 +94,7 @@ def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weigh
     [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F], int32 end offsets [L], probs [rows] fp32.
     Rows at or past offsets[-1] are never read; their outputs and gradients are not defined.
     `recompute_activation`: keep fc1's output only and run the activation again in the backward.
-    `arena` (moe/arena.ArenaRows): `hidden` and `probs` are that arena's view; fc1's output is kept
+    `arena` (moe/arena_rows.ArenaRows): `hidden` and `probs` are that arena's view; fc1's output is kept
     there and the activation recomputed."""
     if arena is not None and not hidden.is_contiguous():
         raise ValueError("the arena's rows are read in place: hidden must be the arena's (contiguous) view")

@@ -22,7 +22,7 @@ class RowGroups:
     counts: torch.Tensor  # [L] int32
     offsets: torch.Tensor  # [L] int32, torch._grouped_mm's end offsets
     payload: object = None  # an MXFP8Payload, or None for rows in the experts' dtype
-    arena: object = None  # moe/arena.ArenaRows when the rows live in a dropless arena
+    arena: object = None  # moe/arena_rows.ArenaRows when the rows live in a dropless arena
 
 
 def valid_row_mask(valid_rows: torch.Tensor, rows: int) -> torch.Tensor:

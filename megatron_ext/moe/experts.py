@@ -179,7 +179,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                         probs: torch.Tensor | None = None, payload=None, arena=None) -> torch.Tensor:
         """Experts on device int32 end offsets [L]; rows >= offsets[-1] are never read.
         `payload` (an MXFP8Payload) replaces `hidden`'s values in fc1; `hidden` keeps the gradient edge.
-        `arena` (moe/arena.ArenaRows): the rows and probabilities are a dropless arena's view."""
+        `arena` (moe/arena_rows.ArenaRows): the rows and probabilities are a dropless arena's view."""
         self._check_offsets(offsets, hidden)
         if arena is not None:
             problems = self.arena_problems()
