@@ -99,6 +99,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--capacity-factor", type=float, default=1.5,
                         help="bounded-dropless factor (default 1.5: the tiny model routes unevenly while it learns)")
+    parser.add_argument("--arena-budget", metavar="CF,RF",
+                        help="also train with the dropless arena at this budget and region factor, set ahead "
+                             "(not from the demands), e.g. 1.2,0.9")
     parser.add_argument("--results-dir", help="where the JSON goes (default bench/results)")
     args = parser.parse_args(argv)
     sizes = [int(e) for e in args.ep.split(",")]
@@ -135,6 +138,15 @@ def main(argv=None) -> int:
                             "per_layer_bound_needed_over_arrived_at_once":
                                 row["layers"] * rank_capacity(row["tokens_per_rank"], row["topk"], ep,
                                                               row["factor_needed_per_layer_bound"], False) / together}
+        if args.arena_budget:
+            cf, rf = (float(v) for v in args.arena_budget.split(","))
+            ahead = run_on_ranks(_probe_rank, ep, args.steps, cf, rf, sizes=ParallelSizes(ep=ep))[0]
+            row["arena_run_set_ahead"] = {"capacity_factor": cf, "region_factor": rf, "arena_rows": ahead["arena_rows"],
+                                          "overflow": ahead["overflow"],
+                                          "arena_over_arrived": ahead["arena_rows"] / together}
+            print(f"  EP{ep}: dropless arena set ahead at budget {cf} (regions {rf}): {ahead['arena_rows']} rows, "
+                  f"{ahead['arena_rows'] / together:.3f}x the rows received at once; overflow: "
+                  f"{ahead['overflow'] or 'none'}")
         run = row["arena_run"]
         print(f"  EP{ep}: dropless arena at budget {run['capacity_factor']:.3f} (regions "
               f"{run['region_factor']:.2f}): {run['arena_rows']} rows for one microbatch's {row['layers']} layers, "
