@@ -133,3 +133,32 @@ def _evaluation_rank(rank, world):
 def test_evaluation_forwards_free_the_arena_and_equal_dropless():
     for outs_equal, busy, trained_equal in run_on_ranks(_evaluation_rank, 2, sizes=ParallelSizes(ep=2)):
         assert outs_equal == [True, True] and busy == [False] and trained_equal
+
+
+def test_layer_recompute_and_megatron_graphs_are_refused_with_the_arena():
+    from types import SimpleNamespace
+
+    from megatron_ext.rules import graph_runner_clash
+
+    arena = MoEExtConfig(dropless_arena=True)
+    recompute = SimpleNamespace(recompute_granularity="selective", recompute_modules=["moe"])
+    (problem,) = graph_runner_clash(recompute, arena)
+    assert "--recompute-modules moe with --moe-ext-dropless-arena" in problem
+    (problem,) = graph_runner_clash(SimpleNamespace(cuda_graph_impl="local"), arena)
+    assert "--cuda-graph-impl local with --moe-ext-dropless-arena" in problem
+    assert graph_runner_clash(recompute, MoEExtConfig()) == []  # without the arena nothing clashes
+
+
+def _unattached_rank(rank, world):
+    layer = moe_builder(MoEExtConfig(transport="torch", dropless_arena=True))(
+        config=moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, ep=world))
+    try:
+        layer(rank_tokens(rank, TOKENS, HIDDEN)[0].view(TOKENS, 1, HIDDEN))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_layer_without_its_arena_says_how_to_attach_it():
+    for message in run_on_ranks(_unattached_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert message is not None and "attach_arenas(model)" in message
