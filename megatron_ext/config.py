@@ -153,8 +153,7 @@ class MoEExtConfig:
         for name, wrong, why in (
                 ("dispatcher", self.dispatcher != "rowwise", "the arena holds the rowwise dispatcher's buffers"),
                 ("transport", self.transport == "deepep", "DeepEP owns its receive buffers"),
-                ("mxfp8_dispatch", self.mxfp8_dispatch, "the arena keeps BF16 rows (not built for MXFP8 payloads)"),
-                ("cuda_graphs", self.cuda_graphs, "the graph runner is not built for the arena yet")):
+                ("mxfp8_dispatch", self.mxfp8_dispatch, "the arena keeps BF16 rows (not built for MXFP8 payloads)")):
             if wrong:
                 raise ValueError(f"dropless_arena cannot run with {name}={getattr(self, name)!r}: {why}")
 

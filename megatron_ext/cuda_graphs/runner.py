@@ -36,6 +36,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megatron_ext.cuda_graphs import arena_slots
 from megatron_ext.cuda_graphs.capture import CaptureFailed, capture
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def metrics_untouched(layer):
 
 
 class _Slot:
-    def __init__(self, static_input: torch.Tensor):
+    def __init__(self, index: int, static_input: torch.Tensor):
+        self.index = index
         self.input = static_input
         self.forward_graph = torch.cuda.CUDAGraph()
         self.backward_graph = torch.cuda.CUDAGraph()
@@ -197,13 +199,14 @@ class GraphedMoELayer:
 
     def _capture_agreed(self, hidden: torch.Tensor) -> str | None:
         """Warm up and capture; at EP > 1 every rank learns whether all captured (init time: a sync)."""
-        self._warm_up(hidden)
-        reason = transport_blocker(self.layer)
-        if reason is None:
-            try:
-                self._capture(hidden)
-            except CaptureFailed as error:
-                reason = f"capture failed: {error}"
+        with arena_slots.arena_untouched(arena_slots.arena_of(self.layer)):
+            self._warm_up(hidden)
+            reason = transport_blocker(self.layer)
+            if reason is None:
+                try:
+                    self._capture(hidden)
+                except CaptureFailed as error:
+                    reason = f"capture failed: {error}"
         group = ep_group_of(self.layer)
         if group is not None:
             captured = torch.tensor([0 if reason else 1], dtype=torch.int32, device=hidden.device)
@@ -225,12 +228,14 @@ class GraphedMoELayer:
                 slot.busy = True
                 if pool is not None:  # the dispatch-buffer slot this graph writes
                     slot.lease = pool.acquire(slot=index)
+                arena_slots.acquire(arena_slots.arena_of(self.layer), index)
                 return slot
         raise RuntimeError(f"all {self.num_slots} CUDA-graph slot(s) of this MoE layer hold live microbatches; "
                            f"size the slots from the pipeline schedule (megatron_ext.cuda_graphs.live_microbatches)")
 
     def _release(self, slot: _Slot) -> None:
         slot.busy = False
+        arena_slots.release(arena_slots.arena_of(self.layer), slot.index)
         if slot.lease is not None:
             slot.lease.release()
             slot.lease = None
@@ -257,11 +262,13 @@ class GraphedMoELayer:
         if free_before:
             raise CaptureFailed(f"{free_before} dispatch-buffer slot(s) hold live microbatches at capture time; "
                                 f"capture needs the layer idle")
-        slots = [_Slot(sample.detach().clone().requires_grad_(True)) for _ in range(self.num_slots)]
+        slots = [_Slot(index, sample.detach().clone().requires_grad_(True)) for index in range(self.num_slots)]
+        arena = arena_slots.arena_of(self.layer)
         try:  # one memory pool per graph (module docstring)
             for slot in slots:  # forwards first: each keeps its lease, as in a pipeline warm-up
-                slot.output, _ = capture(slot.forward_graph, lambda s=slot: self.forward_fn(s.input),
-                                         torch.cuda.graph_pool_handle())
+                with arena_slots.capturing_slot(arena, slot.index):
+                    slot.output, _ = capture(slot.forward_graph, lambda s=slot: self.forward_fn(s.input),
+                                             torch.cuda.graph_pool_handle())
                 slot.grad_output = torch.empty_like(slot.output)
             for slot in reversed(slots):
                 slot.grads = capture(slot.backward_graph, lambda s=slot: torch.autograd.grad(
