@@ -54,6 +54,9 @@ def parse_args():
                         help="per-rank dispatch capacity = cf x tokens x top-k rows (rounded up to 16); > 0")
     layer = parser.add_mutually_exclusive_group()
     layer.add_argument("--dropless", action="store_true", help="size the capacity for the worst case: no route dropped")
+    layer.add_argument("--dropless-arena", action="store_true",
+                       help="one budget of --capacity-factor x tokens x top-k rows per layer, shared by the MoE "
+                            "layers of a microbatch (moe/arena.py); an overflow is counted")
     layer.add_argument("--megatron-baseline", action="store_true", help="Megatron's alltoall MoE layer instead")
     parser.add_argument("--log-format", choices=("default", "megatron"), default="default",
                         help="megatron: Megatron's per-iteration log lines (lm loss: %%.6E), for functional tests")
@@ -77,8 +80,9 @@ def main():
     apply_cpu_shims()
     log = print_step if args.log_format == "default" else functools.partial(print_step_megatron, args.steps, args.ranks)
     ext = None if args.megatron_baseline else MoEExtConfig(transport="torch", capacity_factor=args.capacity_factor,
-                                                           dropless=args.dropless)
+                                                           dropless=args.dropless, dropless_arena=args.dropless_arena)
     sizing = "dropless" if args.dropless else f"cf {args.capacity_factor}"
+    sizing += ", dropless arena" if args.dropless_arena else ""
     what = "Megatron alltoall MoELayer" if ext is None else f"megatron_ext RowwiseMoELayer (torch transport, {sizing})"
     print(f"tiny GPT-MoE, {args.ranks} CPU ranks, EP={args.ranks}, {what}", flush=True)
     records = run_on_ranks(train, args.ranks, TinyGPTConfig(), ext, args.steps, log,

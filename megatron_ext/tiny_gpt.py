@@ -106,6 +106,10 @@ def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | 
     from megatron_ext.ddp.buckets import MultiGroupGradBuckets, groups_from_parallel_state
 
     model = build_model(cfg, ext_config, spec_kind)
+    if ext_config is not None and ext_config.dropless_arena:
+        from megatron_ext.moe.arena import attach_arenas
+
+        attach_arenas(model)
     buckets = MultiGroupGradBuckets(model, groups_from_parallel_state())
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     position_ids = torch.arange(cfg.seq_len)[None].expand(cfg.micro_batch, -1)

@@ -109,6 +109,35 @@ def sleep_ms(ms: float) -> None:
         time.sleep(ms / 1000)
 
 
+def phase_delay(mode: str, rank: int, rng) -> "callable":
+    """A rank's pause between phases: "random" (0-3 ms from `rng`), "late<r>" (25 ms on rank r only:
+    its peers run ahead as far as the barriers let them), anything else none."""
+    def wait():
+        if mode == "random":
+            sleep_ms(rng.uniform(0, 3))
+        elif mode == f"late{rank}":
+            sleep_ms(25)
+    return wait
+
+
+def report_case(name: str, failures: list[str], summary: str) -> bool:
+    """Print a case's outcome ("ok"/"FAIL", its summary, the first failures); True if it failed."""
+    print(f"{'FAIL' if failures else 'ok'} {name}: {summary}")
+    for line in failures[:5]:
+        print("   ", line)
+    return bool(failures)
+
+
+def failed_checks(checks: dict, where: str) -> list[str]:
+    """`checks` {name: (got, want)} compared to fp32 rounding: a line per wrong one, with its NaN
+    count and largest error."""
+    import torch
+
+    return [f"{where}: {name} wrong ({int(torch.isnan(got).sum())} NaN, max err "
+            f"{float((got - want).nan_to_num(1e9).abs().max()):.3g})"
+            for name, (got, want) in checks.items() if not torch.allclose(got, want, rtol=1e-5, atol=1e-5)]
+
+
 _KERNEL_LOCK = threading.Lock()
 
 

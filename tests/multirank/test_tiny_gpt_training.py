@@ -22,3 +22,15 @@ def test_audit_sees_megatron_alltoall_host_syncs():
     """The same audit counts Megatron's own dispatcher's host reads: it can fail."""
     records = run_on_ranks(train, 2, TinyGPTConfig(), None, 1, sizes=ParallelSizes(ep=2))
     assert records[0][0]["moe_host_syncs"] > 0
+
+
+def test_tiny_gpt_trains_the_same_with_the_dropless_arena():
+    """Megatron's GPTModel (block spec, 2 MoE layers) with one arena per microbatch: the same losses,
+    bitwise, as worst-case dropless over 8 steps while it learns (no route beyond the budget), and
+    no host sync in the MoE layers."""
+    arena = MoEExtConfig(transport="torch", dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.9)
+    got = run_on_ranks(train, 2, TinyGPTConfig(), arena, 8, sizes=ParallelSizes(ep=2))[0]
+    want = run_on_ranks(train, 2, TinyGPTConfig(), MoEExtConfig(transport="torch", dropless=True), 8,
+                        sizes=ParallelSizes(ep=2))[0]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert all(r["dropped_routes"] == 0 and r["moe_host_syncs"] == 0 for r in got), got

@@ -33,7 +33,8 @@ from megatron_ext.moe.arena import ArenaLayer, RowArena
 from megatron_ext.moe.route_map import route
 from megatron_ext.moe.transport import symm
 from megatron_ext.moe.transport.symm import SymmRowTransport
-from megatron_ext.testing.threaded_peers import ThreadedPeers, serialize_kernels, sleep_ms
+from megatron_ext.testing.threaded_peers import (ThreadedPeers, failed_checks, phase_delay, report_case,
+                                                 serialize_kernels)
 
 serialize_kernels(symm)
 
@@ -73,11 +74,7 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
     rng = random.Random(seed * 97 + rank)
     failures, spilled = [], 0
 
-    def wait():
-        if delay == "random":
-            sleep_ms(rng.uniform(0, 3))
-        elif delay == f"late{rank}":
-            sleep_ms(25)
+    wait = phase_delay(delay, rank, rng)
 
     def forward(step, mb):
         saved, pending = [], None
@@ -128,10 +125,7 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
                 "rows read by the backward": (read_back[0], delivered[0]),
                 "probabilities read by the backward": (read_back[1], delivered[1]),
             }
-            for name, (got, want) in checks.items():
-                if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-                    failures.append(f"rank {rank} step {step} mb {mb} layer {index}: {name} wrong (max err "
-                                    f"{float((got - want).nan_to_num(1e9).abs().max()):.3g})")
+            failures.extend(failed_checks(checks, f"rank {rank} step {step} mb {mb} layer {index}"))
 
     for step in range(steps):
         live = {}
@@ -161,14 +155,9 @@ def main() -> int:
     parser.add_argument("--no-spill", action="store_true", help="never spill (must fail)")
     args = parser.parse_args()
     spill = "deferred" if args.spill_deferred else "never" if args.no_spill else "in order"
-    bad = 0
-    for name in args.case or CASES:
-        failures, spilled = run_case(name, spill)
-        print(f"{'FAIL' if failures else 'ok'} {name}: rows spilled {spilled}")
-        for line in failures[:5]:
-            print("   ", line)
-        bad += bool(failures)
-    return 1 if bad else 0
+    outcomes = [(name, *run_case(name, spill)) for name in args.case or CASES]
+    failed = [report_case(name, failures, f"rows spilled {spilled}") for name, failures, spilled in outcomes]
+    return 1 if any(failed) else 0
 
 
 if __name__ == "__main__":

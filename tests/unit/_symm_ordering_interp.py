@@ -33,7 +33,8 @@ from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.route_map import route
 from megatron_ext.moe.transport import symm
 from megatron_ext.moe.transport.symm import SymmRowTransport
-from megatron_ext.testing.threaded_peers import ThreadedPeers, serialize_kernels, sleep_ms
+from megatron_ext.testing.threaded_peers import (ThreadedPeers, failed_checks, phase_delay, report_case,
+                                                 serialize_kernels)
 
 serialize_kernels(symm)
 serialize_kernels(route_plan, names=("select_routes", "plan_and_place"))
@@ -89,11 +90,7 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
     rng = random.Random(seed * 97 + rank)
     failures, dropped = [], 0
 
-    def wait():
-        if delay == "random":
-            sleep_ms(rng.uniform(0, 3))
-        elif delay == f"late{rank}":
-            sleep_ms(25)
+    wait = phase_delay(delay, rank, rng)
 
     for step in range(steps):
         live = {}
@@ -134,11 +131,7 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
                                                          torch.where(valid[:, 0], at_dispatch[1], 0)),
                 }
                 transport.release(lease)
-                for name, (got, want) in checks.items():
-                    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-                        failures.append(f"rank {rank} step {step} mb {mb}: {name} wrong "
-                                        f"({int(torch.isnan(got).sum())} NaN, max err "
-                                        f"{float((got - want).nan_to_num(1e9).abs().max()):.3g})")
+                failures += failed_checks(checks, f"rank {rank} step {step} mb {mb}")
     return failures, dropped
 
 
@@ -168,11 +161,7 @@ def main() -> int:
     bad = 0
     for name in (FUSED_CASES if args.fused_route_map else args.case or CASES):
         failures, dropped, barriers = run_case(name)
-        status = "FAIL" if failures else "ok"
-        print(f"{status} {name}: dropped routes {dropped}, barriers per rank {barriers}")
-        for line in failures[:5]:
-            print("   ", line)
-        bad += bool(failures)
+        bad += report_case(name, failures, f"dropped routes {dropped}, barriers per rank {barriers}")
     return 1 if bad else 0
 
 
