@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_ext.kernels.row_span import copy_row_span
 from megatron_ext.moe.arena_rows import ArenaRows
 from megatron_ext.moe.buffers import SymmetricBuffer, poison, poison_then_fence, rows_with_values
 from megatron_ext.moe.capacity import ROW_ALIGN, _round_up
@@ -236,15 +237,9 @@ class ArenaLease:
 
     def place(self, rows: torch.Tensor, values: torch.Tensor, valid_rows: torch.Tensor) -> None:
         """Rows a transport received into a fresh [C, W] buffer -> this layer's arena view (the
-        valid ones: the last layer's view reaches into the shared area, where spills live)."""
+        valid ones only: the last layer's view reaches into the shared area, where spills live)."""
         view = self.buffer
-        region = self.layer.layout.region
-        view.local[:region].copy_(rows[:region])
-        view.values[:region].copy_(values[:region])
-        run_on = torch.arange(view.local.shape[0] - region, device=rows.device)
-        keep = run_on < valid_rows - region
-        view.local[region:].copy_(torch.where(keep[:, None], rows[region:], view.local[region:]))
-        view.values[region:].copy_(torch.where(keep, values[region:], view.values[region:]))
+        copy_row_span(rows, view.local, valid_rows, values=(values, view.values))
 
 
 def attach_arenas(model) -> list[RowArena]:
