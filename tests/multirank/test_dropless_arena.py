@@ -162,3 +162,26 @@ def _unattached_rank(rank, world):
 def test_a_layer_without_its_arena_says_how_to_attach_it():
     for message in run_on_ranks(_unattached_rank, 2, sizes=ParallelSizes(ep=2)):
         assert message is not None and "attach_arenas(model)" in message
+
+
+def _refused_experts_rank(rank, world):
+    import torch.nn.functional as F
+
+    messages = []
+    for overrides in (dict(activation_func=F.gelu),
+                      dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True)):
+        topk = overrides.pop("moe_router_topk", TOPK)
+        try:
+            moe_builder(MoEExtConfig(transport="torch", dropless_arena=True))(
+                config=moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=topk, ep=world, **overrides))
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_experts_the_arena_cannot_hold_are_refused_at_construction():
+    for messages in run_on_ranks(_refused_experts_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert len(messages) == 2, messages
+        assert "dropless_arena: the experts cannot keep their rows in the arena" in messages[0]
+        assert "fast path" in messages[0]
+        assert "moe_apply_probs_on_input" in messages[1]
