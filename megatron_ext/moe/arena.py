@@ -170,6 +170,7 @@ class ArenaLayer:
         if not 0 <= index < arena.layers:
             raise ValueError(f"MoE layer index {index} is outside the arena's {arena.layers} layers")
         self.arena, self.index = arena, index
+        self.forward_only = False  # set by each forward's begin_forward
 
     @property
     def layout(self) -> ArenaLayout:
@@ -187,6 +188,9 @@ class ArenaLayer:
         if arena.current is None or not arena.current.busy:
             raise RuntimeError(f"MoE layer {self.index} of the arena ran before layer 0 opened it for this "
                                f"microbatch: the arena's layers must run in their model order")
+        # Whether a backward will follow, read here: the transport leases inside the dispatch node's
+        # forward, where autograd has turned gradients off.
+        self.forward_only = not torch.is_grad_enabled()
         room = self.layout.shared - arena.current.cursor
         if not self.layout.is_last(self.index):
             room = room.clamp(max=self.layout.region)
@@ -213,7 +217,7 @@ class ArenaLayer:
             slot.views[self.index] = SymmetricBuffer(
                 buffer.local[start:start + rows], buffer.peer_table + start * row_bytes, buffer.handle,
                 buffer.values[start:start + rows], buffer.values_table + start * 4)
-        return ArenaLease(self, slot, forward_only=not torch.is_grad_enabled())
+        return ArenaLease(self, slot, forward_only=self.forward_only)
 
 
 @dataclass
