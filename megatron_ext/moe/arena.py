@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_ext.kernels.row_span import copy_row_span
 from megatron_ext.moe.arena_rows import ArenaRows
 from megatron_ext.moe.buffers import SymmetricBuffer, poison, poison_then_fence, rows_with_values
 from megatron_ext.moe.capacity import ROW_ALIGN, _round_up
@@ -169,6 +170,7 @@ class ArenaLayer:
         if not 0 <= index < arena.layers:
             raise ValueError(f"MoE layer index {index} is outside the arena's {arena.layers} layers")
         self.arena, self.index = arena, index
+        self.forward_only = False  # set by each forward's begin_forward
 
     @property
     def layout(self) -> ArenaLayout:
@@ -186,6 +188,9 @@ class ArenaLayer:
         if arena.current is None or not arena.current.busy:
             raise RuntimeError(f"MoE layer {self.index} of the arena ran before layer 0 opened it for this "
                                f"microbatch: the arena's layers must run in their model order")
+        # Whether a backward will follow, read here: the transport leases inside the dispatch node's
+        # forward, where autograd has turned gradients off.
+        self.forward_only = not torch.is_grad_enabled()
         room = self.layout.shared - arena.current.cursor
         if not self.layout.is_last(self.index):
             room = room.clamp(max=self.layout.region)
@@ -212,7 +217,7 @@ class ArenaLayer:
             slot.views[self.index] = SymmetricBuffer(
                 buffer.local[start:start + rows], buffer.peer_table + start * row_bytes, buffer.handle,
                 buffer.values[start:start + rows], buffer.values_table + start * 4)
-        return ArenaLease(self, slot, forward_only=not torch.is_grad_enabled())
+        return ArenaLease(self, slot, forward_only=self.forward_only)
 
 
 @dataclass
@@ -236,15 +241,9 @@ class ArenaLease:
 
     def place(self, rows: torch.Tensor, values: torch.Tensor, valid_rows: torch.Tensor) -> None:
         """Rows a transport received into a fresh [C, W] buffer -> this layer's arena view (the
-        valid ones: the last layer's view reaches into the shared area, where spills live)."""
+        valid ones only: the last layer's view reaches into the shared area, where spills live)."""
         view = self.buffer
-        region = self.layer.layout.region
-        view.local[:region].copy_(rows[:region])
-        view.values[:region].copy_(values[:region])
-        run_on = torch.arange(view.local.shape[0] - region, device=rows.device)
-        keep = run_on < valid_rows - region
-        view.local[region:].copy_(torch.where(keep[:, None], rows[region:], view.local[region:]))
-        view.values[region:].copy_(torch.where(keep, values[region:], view.values[region:]))
+        copy_row_span(rows, view.local, valid_rows, values=(values, view.values))
 
 
 def attach_arenas(model) -> list[RowArena]:

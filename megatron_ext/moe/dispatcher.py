@@ -93,7 +93,10 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Tokens keep their [S, B, H] shape (the dispatch node flattens them, no view node)."""
         self.hidden_shape = tokens.shape
+        first_forward = self.transport is None
         self._ensure_transport(tokens.numel() // tokens.shape[-1], tokens.device)
+        if first_forward and self.arena_layer is not None:  # once per layer, in the same order on every rank
+            self._allocate_arena(tokens)
         if isinstance(routing_map, fused_routes.Selection):  # FusedTopKRouter selected already
             self.top_idx, top_probs, self.selection = routing_map.top_idx, probs, routing_map
         elif self.ext_config.fused_route_map and tokens.is_cuda:
@@ -108,7 +111,6 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         gather_counts = getattr(self.transport, "gather_counts", None)
         dest_capacity = None
         if self.arena_layer is not None:  # the plan's capacities come from the microbatch's arena
-            self._allocate_arena(hidden)
             dest_capacity = self.arena_layer.begin_forward()
         if self.selection is not None:
             self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
@@ -133,7 +135,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         return buffer, row_probs
 
     def _allocate_arena(self, hidden: torch.Tensor) -> None:
-        """The arena's storage, at the first dispatch (collective with the symm transport's heap)."""
+        """The arena's storage, at the layer's first forward (collective with the symm transport's heap;
+        later layers check that their rows match it)."""
         transport = self.transport
         heap = getattr(transport, "heap", None)
         world = getattr(transport, "world", self.ep_size)

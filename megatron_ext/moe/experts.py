@@ -181,12 +181,12 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         `payload` (an MXFP8Payload) replaces `hidden`'s values in fc1; `hidden` keeps the gradient edge.
         `arena` (moe/arena_rows.ArenaRows): the rows and probabilities are a dropless arena's view."""
         self._check_offsets(offsets, hidden)
-        if arena is not None:
-            problems = self.arena_problems()
-            if problems or payload is not None or probs is None:
+        if arena is not None:  # RowwiseMoELayer refused arena_problems() at construction: only a backstop here
+            if not self.fast_path or self.config.moe_apply_probs_on_input or payload is not None or probs is None:
+                problems = self.arena_problems() or [
+                    "the arena's rows come with their probabilities and without an MXFP8 payload"]
                 raise ValueError("the grouped experts cannot keep these rows in the dropless arena:\n  - "
-                                 + "\n  - ".join(problems or ["the arena's rows come with their probabilities "
-                                                              "and without an MXFP8 payload"]))
+                                 + "\n  - ".join(problems))
             return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs.reshape(-1),
                                       arena=arena)
         if probs is not None:

@@ -39,11 +39,11 @@ def _step(layers, x, g):
     return stack_step(layers, x.view(TOKENS, 1, HIDDEN), g.view(TOKENS, 1, HIDDEN))
 
 
-def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop"):
+def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop", poison=False):
     x, g = rank_tokens(rank, TOKENS, HIDDEN)
     x = x + skew  # with the router's skew: most tokens send one route to expert 0
     arena_stack = _stack(world, skew, dropless_arena=True, capacity_factor=capacity_factor,
-                         arena_region_factor=region_factor, on_overflow=on_overflow)
+                         arena_region_factor=region_factor, on_overflow=on_overflow, debug_poison=poison)
     (arena,) = attach_arenas(arena_stack)
     got = _step(arena_stack, x, g)
     metrics = [layer.read_metrics() for layer in arena_stack]
@@ -78,6 +78,13 @@ def test_arena_equals_dropless_and_holds_fewer_rows(world, budget, skew):
         assert result["slots_busy"] == [False]  # the first layer's dispatch backward freed the microbatch
     busiest = max(max(r["received"]) for r in results)
     assert busiest > layout.region  # the case ran on past a region (not a test of regions alone)
+
+
+def test_poisoned_arena_changes_nothing():
+    # debug_poison: the arena is NaN at every open and free, so a read of a row no one wrote (or
+    # a spill read back from the wrong place) would show as NaN against dropless=True.
+    for result in run_on_ranks(_arena_rank, 2, 0.25, 1.5, 0.75, "drop", True, sizes=ParallelSizes(ep=2)):
+        assert all(result["equal"]) and result["dropped"] == [0] * LAYERS, result
 
 
 def test_skew_needs_the_shared_area_across_layers():
@@ -161,3 +168,26 @@ def _unattached_rank(rank, world):
 def test_a_layer_without_its_arena_says_how_to_attach_it():
     for message in run_on_ranks(_unattached_rank, 2, sizes=ParallelSizes(ep=2)):
         assert message is not None and "attach_arenas(model)" in message
+
+
+def _refused_experts_rank(rank, world):
+    import torch.nn.functional as F
+
+    messages = []
+    for overrides in (dict(activation_func=F.gelu),
+                      dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True)):
+        topk = overrides.pop("moe_router_topk", TOPK)
+        try:
+            moe_builder(MoEExtConfig(transport="torch", dropless_arena=True))(
+                config=moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=topk, ep=world, **overrides))
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_experts_the_arena_cannot_hold_are_refused_at_construction():
+    for messages in run_on_ranks(_refused_experts_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert len(messages) == 2, messages
+        assert "dropless_arena: the experts cannot keep their rows in the arena" in messages[0]
+        assert "fast path" in messages[0]
+        assert "moe_apply_probs_on_input" in messages[1]
