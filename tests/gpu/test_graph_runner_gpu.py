@@ -174,6 +174,41 @@ def test_capture_replay_raises_capture_failed_on_a_host_sync():
     assert torch.equal(out, torch.full_like(x, 3))
 
 
+def test_garbage_collection_cannot_run_inside_a_capture():
+    """Earlier objects freed by a collection during a capture may call CUDA (here: a synchronize,
+    as a communicator's destroy does); the capture keeps the collector off, so it succeeds.
+    Fails without that: the collection runs at the first allocation past the threshold."""
+    import gc
+
+    from megatron_ext.cuda_graphs.capture import capture
+
+    class SyncsWhenCollected:
+        def __init__(self):
+            self.cycle = self
+
+        def __del__(self):
+            torch.cuda.synchronize()
+
+    x = torch.ones(8, device="cuda")
+
+    def body():  # torch.cuda.graph collects on entry, so the garbage is made inside
+        SyncsWhenCollected()  # unreachable from here on, found only by the cyclic collector
+        kept = [[] for _ in range(10)]  # container allocations advance the collector's counter
+        return x * 2 + len(kept)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        out = capture(graph, body)
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()  # the finalizer runs here, outside the capture
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(x, 12))
+
+
 def test_runner_after_eager_training_steps_and_eval(weights):
     """Megatron runs eager iterations (default stream, .backward() into param.grad) and evaluation
     before graphs start; the runner must capture after that, and evaluation must work after it."""
