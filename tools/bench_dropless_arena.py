@@ -11,6 +11,8 @@ previous output plus the tokens, megatron_ext.testing.moe_stack):
   arena_spill        the arena with regions of --region-factor x T * K rows: every layer runs on past
                      its region and every layer but the last spills (the copies' cost)
   arena_spill_graph  arena_spill, the whole stack's forward+backward captured in one CUDA graph
+  per_layer_runner   per_layer, each layer replayed by megatron_ext's graph runner (--moe-ext-cuda-graphs)
+  arena_spill_runner arena_spill, each layer replayed by the graph runner
 Reported: device ms per stack step in turns (--rounds rounds, dense GEMMs of the step's FLOPs first
 in every round), host ms, bytes the forward leaves held for the backward plus the dispatch slots or
 arena the layers keep between steps, peak above that, blocking CUDA calls.
@@ -41,7 +43,8 @@ from megatron_ext.testing.moe_stack import stack_forward
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
-PATHS = ("megatron_gg", "dropless", "per_layer", "per_layer_moe_act", "arena", "arena_spill", "arena_spill_graph")
+PATHS = ("megatron_gg", "dropless", "per_layer", "per_layer_moe_act", "arena", "arena_spill", "arena_spill_graph",
+         "per_layer_runner", "arena_spill_runner")
 MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 
 
@@ -53,12 +56,14 @@ def build_stack(path: str, args, world: int):
     from megatron_ext.testing.megatron_moe import megatron_moe_layer
 
     ext = None
+    runner = path.endswith("_runner")
     if path.startswith("arena"):
         region = args.region_factor if "spill" in path else min(1.0, args.arena_capacity_factor)
         ext = MoEExtConfig(transport="symm", dropless_arena=True, capacity_factor=args.arena_capacity_factor,
-                           arena_region_factor=region)
+                           arena_region_factor=region, cuda_graphs=runner)
     elif path != "megatron_gg":
-        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor, dropless=path == "dropless")
+        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor, dropless=path == "dropless",
+                           cuda_graphs=runner)
     layers = torch.nn.ModuleList()
     for index in range(args.layers):
         config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk, ep=world,
@@ -140,6 +145,9 @@ def main():
         step, static_x = stack_step(layers, x, grad_out)
         step()
         row = {"path": path}
+        runners = [layer._graph_runner for layer in layers if getattr(layer, "_graph_runner", None) is not None]
+        if runners:  # a runner that could not capture runs eagerly: say so instead of timing it as graphed
+            row["runner_eager_reasons"] = [r.eager_reason for r in runners if r.eager_reason is not None]
         if path.endswith("_graph"):
             step = capture_replay(step)[0].replay
         else:

@@ -34,12 +34,13 @@ def _oracle(x, fc1, fc2, probs, counts):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("with_probs", [False, True])
-def test_node_equals_the_definition(with_probs):
+def test_node_equals_the_definition(with_probs, recompute):
     x, fc1, fc2, probs, grad_out, counts = _inputs()
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     leaves = [t.clone().requires_grad_(True) for t in (x, fc1, fc2, probs)]
-    out = swiglu_grouped_mlp(*leaves[:3], offsets, leaves[3] if with_probs else None)
+    out = swiglu_grouped_mlp(*leaves[:3], offsets, leaves[3] if with_probs else None, recompute_activation=recompute)
     out.backward(grad_out)
     refs = [t.clone().double().requires_grad_(True) for t in (x, fc1, fc2, probs)]
     want = _oracle(*refs[:3], refs[3] if with_probs else None, counts)
