@@ -54,7 +54,10 @@ def capture_replay(step: Callable[[], object], warmup: int = 2):
     A host synchronization inside makes the capture fail: raises CaptureFailed (a RuntimeError
     naming the CUDA error), with the process left usable (megatron_ext/cuda_graphs/capture.py).
     For training, use the layer's graph runner (MoEExtConfig.cuda_graphs), which also agrees
-    across EP ranks and falls back to eager; this is the proof tool.
+    across EP ranks and falls back to eager; this is the proof tool. The graph keeps `step`, and
+    so the modules and tensors it reads, alive: a CUDA graph holds no reference to them, and a
+    caller that kept only `graph.replay` had its modules collected while their memory was still
+    replayed into (an illegal address once the allocator had returned it, on an H200).
     """
     from megatron_ext.cuda_graphs.capture import capture
 
@@ -66,4 +69,5 @@ def capture_replay(step: Callable[[], object], warmup: int = 2):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     outputs = capture(graph, step)
+    graph.captured_step = step
     return graph, outputs

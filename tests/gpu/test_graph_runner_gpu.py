@@ -174,6 +174,30 @@ def test_capture_replay_raises_capture_failed_on_a_host_sync():
     assert torch.equal(out, torch.full_like(x, 3))
 
 
+def test_capture_replay_keeps_what_the_step_reads_alive():
+    """A caller that keeps only the graph must not lose the modules its replays read (a bench did:
+    its collected layers' memory went back to the driver, and a replay hit an illegal address)."""
+    import functools
+    import gc
+    import weakref
+
+    from megatron_ext.host_sync import capture_replay
+
+    linear = torch.nn.Linear(256, 256, device="cuda")
+    x = torch.randn(8, 256, device="cuda")
+    want = linear(x).detach()
+    alive = weakref.ref(linear)
+    graph, out = capture_replay(functools.partial(linear, x))
+    del linear
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert alive() is not None, "the module was collected while its graph can still replay"
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(7)  # would take freed memory
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
 def test_garbage_collection_cannot_run_inside_a_capture():
     """Earlier objects freed by a collection during a capture may call CUDA (here: a synchronize,
     as a communicator's destroy does); the capture keeps the collector off, so it succeeds.
