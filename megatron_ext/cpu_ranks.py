@@ -47,6 +47,12 @@ def init_megatron_parallel(sizes: ParallelSizes, seed: int = 1234) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.destroy_model_parallel()
+    # Megatron's MoE metrics tracker (megatron-core 0.19.2, moe_logging) is process-global and sized
+    # by the first model's layer count; a forked rank inherits the parent's, so a rank running a model
+    # deeper than an earlier test's failed there with an IndexError.
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tp,
         pipeline_model_parallel_size=sizes.pp,
