@@ -113,10 +113,21 @@ if triton is not None:
             tl.store(values_out_ptr + route, tl.where(kept, tl.load(src, mask=kept, other=0.0), 0.0))
 
     @triton.jit
+    def _put_return_ids(return_table_ptr, dest_rank_ptr, dest_row_ptr, token, source_rank, num_peers, capacity,
+                        K: tl.constexpr):
+        """Store each kept route's return id, route * num_peers + source_rank (int32), at its
+        destination row of the owner's [C] return-id array: where that row's result goes back to."""
+        for k in tl.static_range(K):
+            route = token * K + k
+            dst, kept = _peer_row(return_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, 1,
+                                  tl.int32)
+            tl.store(dst, (route * num_peers + source_rank).to(tl.int32), mask=kept)
+
+    @triton.jit
     def _put_rows_kernel(src_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, row_scale_ptr, values_ptr,
-                         value_table_ptr, num_peers, capacity, H: tl.constexpr, K: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, HAS_VALUES: tl.constexpr, BUF: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+                         value_table_ptr, return_table_ptr, source_rank, num_peers, capacity, H: tl.constexpr,
+                         K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_VALUES: tl.constexpr,
+                         HAS_RETURN: tl.constexpr, BUF: tl.constexpr, BLOCK_H: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -133,6 +144,32 @@ if triton is not None:
                 tl.store(dst + col, value, mask=in_row & kept)
         if HAS_VALUES:
             _put_route_values(values_ptr, value_table_ptr, dest_rank_ptr, dest_row_ptr, token, num_peers, capacity, K)
+        if HAS_RETURN:
+            _put_return_ids(return_table_ptr, dest_rank_ptr, dest_row_ptr, token, source_rank, num_peers, capacity, K)
+
+    @triton.jit
+    def _put_rows_back_kernel(src_ptr, return_ids_ptr, count_ptr, peer_table_ptr, values_ptr, value_table_ptr,
+                              num_peers, routes, H: tl.constexpr, HAS_VALUES: tl.constexpr, BUF: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+        """Row r < count goes back to route (id // num_peers) of rank (id % num_peers), id =
+        return_ids[r]: into that rank's [routes, H] buffer (and [routes] values). An id outside
+        [0, routes * num_peers) writes nothing."""
+        row = tl.program_id(0).to(tl.int64)
+        if row < tl.load(count_ptr):
+            rid = tl.load(return_ids_ptr + row)
+            kept = (rid >= 0) & (rid < routes * num_peers)
+            rank = tl.where(kept, rid % num_peers, 0)
+            route = tl.where(kept, rid // num_peers, 0).to(tl.int64)
+            base = tl.load(peer_table_ptr + rank).to(tl.pointer_type(BUF))
+            base = tl.multiple_of(base, 16)
+            cols = tl.arange(0, BLOCK_H)
+            for h0 in range(0, H, BLOCK_H):
+                col = h0 + cols
+                in_row = col < H
+                tl.store(base + route * H + col, tl.load(src_ptr + row * H + col, mask=in_row), mask=in_row & kept)
+            if HAS_VALUES:
+                value_base = tl.load(value_table_ptr + rank).to(tl.pointer_type(tl.float32))
+                tl.store(value_base + route, tl.load(values_ptr + row), mask=kept)
 
     @triton.jit
     def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr,
@@ -190,12 +227,15 @@ def _config(H, dtype, block_h, num_warps):
 
 def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
              row_scale: torch.Tensor | None = None, *, route_values: torch.Tensor | None = None,
-             value_table: torch.Tensor | None = None, capacity: int | None = None, block_h: int | None = None,
+             value_table: torch.Tensor | None = None, return_table: torch.Tensor | None = None,
+             source_rank: int = 0, capacity: int | None = None, block_h: int | None = None,
              num_warps: int | None = None) -> None:
     """Store src[t] (times row_scale[t, k] in fp32, if given) into peer dest_rank[t, k]'s buffer row
     dest_row[t, k] for every kept route; dropped routes (-1) write nothing. Buffers have src's dtype.
     With `route_values` [T, K] fp32 and `value_table` (the owners' [C] fp32 arrays), each kept route
-    also stores its value at the same row of its owner's array, in the same launch.
+    also stores its value at the same row of its owner's array, in the same launch. With
+    `return_table` (the owners' [C] int32 arrays), each kept route also stores its return id
+    (t * K + k) * M + source_rank there, for put_rows_back.
     Routes outside [0, M) x [0, capacity) are masked (no write); pass the buffers' row count as
     `capacity` (None: only the rank is bounded)."""
     T, K, H = check_common("put_rows", src, dest_rank, dest_row, peer_table, (("row_scale", row_scale),),
@@ -205,13 +245,47 @@ def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
     check_runnable("put_rows", src)
     if T == 0 or K == 0 or H == 0:
         return
+    if return_table is not None:
+        require(return_table.shape == peer_table.shape and return_table.dtype == torch.int64,
+                f"put_rows: return_table must be an int64 [{peer_table.numel()}] table like peer_table, got "
+                f"{return_table.dtype} {tuple(return_table.shape)}")
     block_h, num_warps = _config(H, src.dtype, block_h, num_warps)
     has_values = route_values is not None
     _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale,
                            route_values if has_values else src, value_table if has_values else peer_table,
+                           peer_table if return_table is None else return_table, source_rank,
                            peer_table.numel(), row_bound(capacity), H, K,
-                           HAS_SCALE=row_scale is not None, HAS_VALUES=has_values, BUF=_TL_DTYPES[src.dtype],
-                           BLOCK_H=block_h, num_warps=num_warps)
+                           HAS_SCALE=row_scale is not None, HAS_VALUES=has_values, HAS_RETURN=return_table is not None,
+                           BUF=_TL_DTYPES[src.dtype], BLOCK_H=block_h, num_warps=num_warps)
+
+
+def put_rows_back(src: torch.Tensor, return_ids: torch.Tensor, count: torch.Tensor, peer_table: torch.Tensor,
+                  routes: int, values: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The reverse of a dispatch PUT: row r < count[0] of src [C, H] (a device int32 count) goes to
+    route id // M of rank id % M, id = return_ids[r] (written by put_rows' `return_table`), in
+    that rank's [routes, H] buffer. With `values` = (values_src [C] fp32, value_table), each row's
+    value goes to the same route of the owner's [routes] fp32 array. Ids outside
+    [0, routes * M) write nothing."""
+    require(src.dim() == 2 and src.is_contiguous() and src.dtype in BUFFER_DTYPES,
+            f"put_rows_back: src must be a contiguous [C, H] of {BUFFER_DTYPES}, got {src.dtype} {tuple(src.shape)}")
+    require(return_ids.dtype == torch.int32 and return_ids.shape[0] >= src.shape[0] and return_ids.is_contiguous(),
+            f"put_rows_back: return_ids must be contiguous int32 with >= {src.shape[0]} entries, got "
+            f"{return_ids.dtype} {tuple(return_ids.shape)}")
+    require(count.dtype == torch.int32 and count.numel() >= 1,
+            f"put_rows_back: count must be a device int32 count, got {count.dtype} of {count.numel()} elements")
+    if values is not None:
+        require(values[0].dtype == torch.float32 and values[0].shape == (src.shape[0],) and values[0].is_contiguous(),
+                f"put_rows_back: values_src must be a contiguous float32 [{src.shape[0]}], got {values[0].dtype} "
+                f"{tuple(values[0].shape)}")
+    check_runnable("put_rows_back", src)
+    rows, H = src.shape
+    if rows == 0 or H == 0:
+        return
+    block_h, num_warps = _cached_launch_config(H, src.dtype)
+    values_src, value_table = values if values is not None else (src, peer_table)
+    _put_rows_back_kernel[(rows,)](src, return_ids, count, peer_table, values_src, value_table, peer_table.numel(),
+                                   routes, H, HAS_VALUES=values is not None, BUF=_TL_DTYPES[src.dtype],
+                                   BLOCK_H=block_h, num_warps=num_warps)
 
 
 def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, out: torch.Tensor,

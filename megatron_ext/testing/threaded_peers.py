@@ -141,7 +141,10 @@ def failed_checks(checks: dict, where: str) -> list[str]:
 _KERNEL_LOCK = threading.Lock()
 
 
-def serialize_kernels(module, names=("put_rows", "get_rows", "put_rows_mxfp8", "copy_rows_below")) -> None:
+KERNEL_ENTRY_POINTS = ("put_rows", "get_rows", "put_rows_mxfp8", "copy_rows_below", "put_rows_back")
+
+
+def serialize_kernels(module, names=KERNEL_ENTRY_POINTS) -> None:
     """Wrap `module`'s kernel entry points (e.g. moe.transport.symm) with one process-wide lock."""
     for name in names:
         fn = getattr(module, name, None)

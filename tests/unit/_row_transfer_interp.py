@@ -161,6 +161,57 @@ def check_route_values(M: int, T: int, K: int, C: int, seed: int, failures: list
         failures.append(f"copy_rows_below {name}: values below the bound not copied or past it written")
 
 
+def check_put_back(M: int, T: int, K: int, C: int, seed: int, failures: list[str]) -> None:
+    """put_rows with return_table stores each kept route's return id, (t * K + k) * M + source
+    rank, at its row; put_rows_back sends every owner row below the count back to that route of
+    that rank (rows and values), writes nothing for rows at or past the count or for ids outside
+    [0, T * K * M), and leaves the routes nobody returned untouched. Brute force: Python loops."""
+    from megatron_ext.kernels.row_transfer import peer_table_from_buffers, put_rows, put_rows_back
+
+    name = f"put back M={M} T={T} K={K} C={C}"
+    gen = torch.Generator().manual_seed(seed)
+    routes = [random_routes(T, K, M, C, drop=0.25, seed=seed + source) for source in range(M)]
+    rows = [torch.full((C, 8), float("nan")) for _ in range(M)]
+    returns = [torch.full((C, 1), -5, dtype=torch.int32) for _ in range(M)]  # [C, 1]: a peer table's shape
+    for source, (dest_rank, dest_row) in enumerate(routes):
+        put_rows(torch.randn(T, 8, generator=gen), dest_rank, dest_row, peer_table_from_buffers(rows),
+                 return_table=peer_table_from_buffers(returns), source_rank=source)
+    returns = [ids[:, 0] for ids in returns]
+    want_ids = [torch.full((C,), -5, dtype=torch.int32) for _ in range(M)]
+    for source, (dest_rank, dest_row) in enumerate(routes):
+        for t in range(T):
+            for k in range(K):
+                if dest_row[t, k] >= 0:
+                    want_ids[int(dest_rank[t, k])][int(dest_row[t, k])] = (t * K + k) * M + source
+    if not all(torch.equal(a, w) for a, w in zip(returns, want_ids)):
+        failures.append(f"put {name}: the return ids differ from the brute force")
+    received = [int((ids >= 0).sum()) for ids in returns]  # rows are packed from 0 in random_routes
+    for owner in range(M):
+        assert bool((returns[owner][:received[owner]] >= 0).all()), "random_routes packs each rank's rows"
+    if M > 1 and received[0] > 1:  # hostile ids below the count: one past the end, one negative
+        returns[0][0], returns[0][1] = T * K * M, -3
+    back = [torch.full((T * K, 8), -9.0) for _ in range(M)]
+    back_values = [torch.full((T * K, 1), -9.0) for _ in range(M)]
+    results = [torch.randn(C, 8, generator=gen) for _ in range(M)]
+    result_values = [torch.rand(C, generator=gen) for _ in range(M)]
+    for owner in range(M):
+        count = torch.tensor([max(0, received[owner] - 1)], dtype=torch.int32)  # the last received row stays
+        put_rows_back(results[owner], returns[owner], count, peer_table_from_buffers(back), T * K,
+                      values=(result_values[owner], peer_table_from_buffers(back_values)))
+    want = [torch.full((T * K, 8), -9.0) for _ in range(M)]
+    want_values = [torch.full((T * K, 1), -9.0) for _ in range(M)]
+    for owner in range(M):
+        for row in range(max(0, received[owner] - 1)):
+            rid = int(returns[owner][row])
+            if 0 <= rid < T * K * M:
+                want[rid % M][rid // M] = results[owner][row]
+                want_values[rid % M][rid // M] = result_values[owner][row]
+    if not all(torch.equal(a, w) for a, w in zip(back, want)):
+        failures.append(f"put_rows_back {name}: rows differ from the brute force")
+    if not all(torch.equal(a, w) for a, w in zip(back_values, want_values)):
+        failures.append(f"put_rows_back {name}: values differ from the brute force")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
@@ -181,6 +232,9 @@ def main() -> int:
             cases += 1
     for M in (1, 3):
         check_route_values(M, T=9, K=3, C=16, seed=M, failures=failures)
+        cases += 1
+    for M in (1, 2, 3):
+        check_put_back(M, T=9, K=3, C=16, seed=10 + M, failures=failures)
         cases += 1
     for line in failures:
         print("MISMATCH", line)
