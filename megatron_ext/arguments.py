@@ -23,7 +23,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from megatron_ext.config import DISPATCHERS, TRANSPORTS, MoEExtConfig
+from megatron_ext.config import DISPATCHERS, RETURN_TRANSFERS, TRANSPORTS, MoEExtConfig
 from megatron_ext.rules import ExpertSettings, expert_problems, graph_runner_clash, moe_problems, rowwise_problems
 
 GROUP_TITLE = "megatron_ext MoE"
@@ -65,6 +65,11 @@ FLAGS: tuple[ExtFlag, ...] = (
             help="How the rowwise dispatcher moves rows: torch (all_to_all reference, any backend), "
                  "symm (symmetric memory + Triton PUT/GET, GPUs of one NVLink domain), deepep (optional "
                  "DeepEP package), auto (symm on GPUs within one host, else torch)."),
+    ExtFlag("return_transfer", "--moe-ext-return-transfer", "value", type=str, choices=RETURN_TRANSFERS,
+            help="How the symm transport brings rows back to their tokens (combine, dispatch backward): get "
+                 "(each source reads the owners' rows, after a copy of them into symmetric scratch at EP > 1) "
+                 "or put (each owner writes the rows into the sources' receive buffers; no copy, the faster "
+                 "NVLink direction; not measured on two GPUs yet)."),
     ExtFlag("capacity_factor", "--moe-ext-capacity-factor", "value", type=float, metavar="CF",
             help="Rows per destination rank: C = round_up(ceil(CF * T_max * top_k), 16), at most "
                  "round_up(EP * T_max * top_k, 16) (the worst case: a factor of EP or more drops nothing). "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 DISPATCHERS = ("rowwise", "megatron")
 OVERFLOW_POLICIES = ("drop", "error")
 TRANSPORTS = ("auto", "torch", "symm", "deepep")
+RETURN_TRANSFERS = ("get", "put")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class MoEExtConfig:
         backend), "symm" (symmetric memory + Triton PUT/GET, GPUs in one NVLink domain),
         "deepep" (DeepEP, optional package), "auto" (symm on GPUs in one NVLink domain, else
         torch).
+    return_transfer: how the symm transport brings rows back to their tokens (combine forward,
+        dispatch backward): "get" (sources read the owners' rows; at EP > 1 after a copy of them
+        into symmetric scratch) or "put" (owners write them into the sources' receive buffers;
+        moe/transport/put_return.py). Other transports ignore "get" and refuse "put".
     capacity_factor: per-destination-rank capacity C = round_up(ceil(cf * T_max * K), 16).
     dropless: size C for the worst case (EP * T_max * K): nothing is ever dropped.
     on_overflow: what routes beyond the capacity mean. "drop": the fair keep policy drops them and
@@ -68,6 +73,7 @@ class MoEExtConfig:
 
     dispatcher: str = "rowwise"
     transport: str = "auto"
+    return_transfer: str = "get"
     capacity_factor: float = 1.25
     dropless: bool = False
     on_overflow: str = "drop"
@@ -105,6 +111,10 @@ class MoEExtConfig:
             raise ValueError(f"unknown MoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown row transport {self.transport!r}; choose one of {TRANSPORTS}")
+        if self.return_transfer not in RETURN_TRANSFERS:
+            raise ValueError(f"unknown return_transfer {self.return_transfer!r}; choose one of {RETURN_TRANSFERS}")
+        if self.return_transfer == "put":
+            self._check_return_put()
         if self.on_overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"unknown on_overflow policy {self.on_overflow!r}; choose one of {OVERFLOW_POLICIES}")
         if self.on_overflow == "error" and self.dropless:
@@ -156,6 +166,16 @@ class MoEExtConfig:
                 ("mxfp8_dispatch", self.mxfp8_dispatch, "the arena keeps BF16 rows (not built for MXFP8 payloads)")):
             if wrong:
                 raise ValueError(f"dropless_arena cannot run with {name}={getattr(self, name)!r}: {why}")
+
+    def _check_return_put(self) -> None:
+        for name, wrong, why in (
+                ("dispatcher", self.dispatcher != "rowwise", "it is a mode of the rowwise dispatcher's symm transport"),
+                ("transport", self.transport in ("torch", "deepep"), "it is a mode of the symm transport"),
+                ("mxfp8_dispatch", self.mxfp8_dispatch, "the MXFP8 PUT does not write the rows' return ids"),
+                ("dropless_arena", self.dropless_arena, "the arena's slots hold no return ids")):
+            if wrong:
+                raise ValueError(f"return_transfer='put' cannot run with {name}={getattr(self, name)!r}: {why}; "
+                                 f"use return_transfer='get'")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -17,6 +17,8 @@ Paths (same weights, same tokens and output gradients per rank, hence the same r
                         and the same DeviceOffsetGroupedMLP experts; not available without deep_ep
   rowwise_torch         RowwiseMoELayer, reference all_to_all_single transport
   rowwise_symm          RowwiseMoELayer, symmetric-memory Triton PUT/GET transport
+  rowwise_symm_put      rowwise_symm with return_transfer="put" (combine and dispatch backward PUT the
+                        rows back: no copy into scratch; moe/transport/put_return.py)
   rowwise_symm_mxfp8    rowwise_symm with MoEExtConfig(mxfp8_dispatch=True); reported as not
                         available when the flag is refused or the dispatch payload stays BF16
                         (output bitwise equal to rowwise_symm's)

@@ -27,6 +27,10 @@ capacity factor 1.25), and these measurements, each timed per iteration between 
                                       their device barriers and, for GETs at EP>1, the copy of the
                                       source rows into symmetric scratch); "dispatch, mxfp8" is
                                       dispatch_quantized, where the transport has it
+  symm phase, put return              the same with return_transfer="put": combine and dispatch
+                                      backward PUT the rows back into the sources' receive
+                                      buffers, then each source sums its routes locally (PUT bytes:
+                                      this GPU's egress)
   torch phase   the same through TorchRowTransport (all_to_all_single of fixed [EP, C, row]
                 blocks over NCCL or gloo), the reference
 
@@ -193,10 +197,10 @@ def mxfp8_kernel_cases(routes: Routes, ranks: Ranks, tokens: torch.Tensor, group
     return cases
 
 
-def phase_cases(make_transport, routes: Routes, tokens: torch.Tensor, fence):
+def phase_cases(make_transport, routes: Routes, tokens: torch.Tensor, fence, mxfp8: bool = True):
     """(name, fn, fence, row_bytes) for a transport's four transfers on these routes, and its
-    MXFP8 dispatch where it has one (on a second instance: a transport's dispatch slots keep the
-    row format of their first use)."""
+    MXFP8 dispatch where it has one and `mxfp8` (on a second instance: a transport's dispatch
+    slots keep the row format of their first use)."""
     transport = make_transport()
     rm, probs = routes.route_map, routes.probs
     rows = torch.randn(routes.capacity, tokens.shape[1], device=tokens.device).to(tokens.dtype)
@@ -215,7 +219,7 @@ def phase_cases(make_transport, routes: Routes, tokens: torch.Tensor, fence):
            "dispatch_backward": lambda: transport.dispatch_backward(rows, row_probs, rm)}
     cases = [(name, fns[name], fence, row_bytes) for name in PHASES]
     mxfp8_bytes = mxfp8_row_bytes(tokens.shape[1])
-    if hasattr(transport, "dispatch_quantized") and mxfp8_bytes is not None:
+    if mxfp8 and hasattr(transport, "dispatch_quantized") and mxfp8_bytes is not None:
         quantizing = make_transport()
 
         def dispatch_quantized():
@@ -240,6 +244,9 @@ def transports_for(ranks: Ranks, routes: Routes, tokens: torch.Tensor, setup: Se
         found.append(("symm kernel", symm_kernel_cases(routes, setup, ranks, tokens, fence)))
         found.append(("symm phase", phase_cases(lambda: SymmRowTransport(group, routes.capacity), routes, tokens,
                                                 fence)))
+        # return_transfer="put": combine and dispatch backward PUT the rows back (no copy into scratch)
+        found.append(("symm phase, put return", phase_cases(
+            lambda: SymmRowTransport(group, routes.capacity, return_put=True), routes, tokens, fence, mxfp8=False)))
     if "torch" in wanted:
         found.append(("torch phase", phase_cases(lambda: TorchRowTransport(group, routes.capacity), routes, tokens,
                                                  host_fence)))

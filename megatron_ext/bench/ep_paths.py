@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron_ext.bench.ep_distributed import Ranks
 
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "megatron_flex_deepep_gg", "rowwise_torch", "rowwise_symm",
-         "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless", "rowwise_symm_bounded")
+         "rowwise_symm_put", "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless",
+         "rowwise_symm_bounded")
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ def build_layer(path: str, shape: Shape, args, device: torch.device, dtype):
                            capacity_factor=args.capacity_factor,
                            dropless=args.dropless or path == "rowwise_symm_dropless",
                            on_overflow="error" if path == "rowwise_symm_bounded" else "drop",
-                           mxfp8_dispatch=path == "rowwise_symm_mxfp8", cuda_graphs=path == "rowwise_symm_graph")
+                           mxfp8_dispatch=path == "rowwise_symm_mxfp8", cuda_graphs=path == "rowwise_symm_graph",
+                           return_transfer="put" if path == "rowwise_symm_put" else "get")
         layer = moe_builder(ext)(config=config)
     layer = layer.to(device)
     load_seeded_weights(layer, shape, args.seed)

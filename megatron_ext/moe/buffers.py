@@ -38,6 +38,8 @@ class SymmetricBuffer:
     handle: object = None  # object with .barrier(channel=0) (None with one rank)
     values: torch.Tensor | None = None  # [C] fp32 per-row values (router probabilities), if any
     values_table: torch.Tensor | None = None  # [M] int64 base addresses of every rank's `values`
+    return_ids: torch.Tensor | None = None  # [C] int32: where each row's result goes back (return_transfer="put")
+    return_table: torch.Tensor | None = None  # [M] int64 base addresses of every rank's `return_ids`
 
     def barrier(self, timeout_ms: int = 0) -> None:
         """Device-side barrier over the EP group: all peers' prior writes are visible after it.
@@ -63,9 +65,10 @@ _VALUES_ALIGN = 16  # bytes: the value array starts 16-byte aligned after the ro
 
 
 def rows_with_values(heap: "SymmetricHeap", capacity: int, width: int, dtype: torch.dtype, device,
-                     scratch_role: str | None = None) -> SymmetricBuffer:
+                     scratch_role: str | None = None, return_ids: bool = False) -> SymmetricBuffer:
     """[C, width] rows of `dtype` and, in the same symmetric allocation after them, [C] fp32
-    per-row values: the router probability of each dispatched row, or its gradient.
+    per-row values: the router probability of each dispatched row, or its gradient; with
+    `return_ids`, then [C] int32 return ids (each row's source route, return_transfer="put").
 
     Cost removed: a second allocation, peer table and barrier for the values; a PUT or a copy
     that writes both is ordered for peers by the one barrier that orders the rows. Cost
@@ -73,12 +76,17 @@ def rows_with_values(heap: "SymmetricHeap", capacity: int, width: int, dtype: to
     `scratch_role`: the heap's shared scratch of that role instead of a new allocation."""
     row_bytes = capacity * width * torch.empty((), dtype=dtype).element_size()
     values_at = -(-row_bytes // _VALUES_ALIGN) * _VALUES_ALIGN
-    shape = (values_at + 4 * capacity,)
+    returns_at = values_at + -(-4 * capacity // _VALUES_ALIGN) * _VALUES_ALIGN
+    shape = ((returns_at + 4 * capacity) if return_ids else (values_at + 4 * capacity),)
     raw = (heap.allocate(shape, torch.uint8, device) if scratch_role is None
            else heap.scratch(scratch_role, shape, torch.uint8, device))
     rows = raw.local[:row_bytes].view(dtype).view(capacity, width)
-    values = raw.local[values_at:].view(torch.float32)
-    return SymmetricBuffer(rows, raw.peer_table, raw.handle, values, raw.peer_table + values_at)
+    values = raw.local[values_at:values_at + 4 * capacity].view(torch.float32)
+    buffer = SymmetricBuffer(rows, raw.peer_table, raw.handle, values, raw.peer_table + values_at)
+    if return_ids:
+        buffer.return_ids = raw.local[returns_at:].view(torch.int32)
+        buffer.return_table = raw.peer_table + returns_at
+    return buffer
 
 
 class SymmetricHeap(Protocol):

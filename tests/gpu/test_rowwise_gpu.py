@@ -93,9 +93,10 @@ def test_two_live_microbatches_need_two_slots(weights):
         single(x2.clone().requires_grad_(True))
 
 
-def test_whole_layer_captures_in_a_cuda_graph_and_replays_like_eager(weights):
-    layer = make_layer("symm", weights)
-    static_x, static_g = inputs(4)
+def capture_layer_step(layer, seed):
+    """One forward+backward of `layer` captured on static inputs: a function that replays it on
+    (x, grad_out) and returns (output, input grad)."""
+    static_x, static_g = inputs(seed)
     static_x = static_x.clone().requires_grad_(True)
 
     def step():
@@ -106,15 +107,53 @@ def test_whole_layer_captures_in_a_cuda_graph_and_replays_like_eager(weights):
         return out
 
     graph, static_out = capture_replay(step)
-    for seed in (5, 6):  # new inputs, new routes, same static buffers
-        x, g = inputs(seed)
-        eager = run_step(layer, x, g)
+
+    def replay(x, g):
         static_x.data.copy_(x)
         static_g.copy_(g)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static_out.detach().float(), eager[0]), "replayed output differs from eager"
-        assert torch.equal(static_x.grad.float(), eager[1]), "replayed input grad differs from eager"
+        return static_out.detach().float(), static_x.grad.float()
+    return replay
+
+
+def test_whole_layer_captures_in_a_cuda_graph_and_replays_like_eager(weights):
+    layer = make_layer("symm", weights)
+    replay = capture_layer_step(layer, 4)
+    for seed in (5, 6):  # new inputs, new routes, same static buffers
+        x, g = inputs(seed)
+        eager = run_step(layer, x, g)
+        out, grad = replay(x, g)
+        assert torch.equal(out, eager[0]), "replayed output differs from eager"
+        assert torch.equal(grad, eager[1]), "replayed input grad differs from eager"
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])  # None: dropless; 1.0 drops routes
+def test_put_return_equals_get_bitwise(weights, capacity_factor):
+    """return_transfer="put" (transport/put_return.py) against the GET path: the same rows summed in
+    the same fp32 order, so equal bitwise, eager, with poison, and replayed from a capture, with
+    0 blocking calls. EP=1 runs the same kernels into this GPU's own receive buffer."""
+    sizing = dict(dropless=True) if capacity_factor is None else dict(capacity_factor=capacity_factor)
+    config = moe_config(**SHAPE, dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32")
+
+    def layer(**ext):
+        built = moe_builder(MoEExtConfig(transport="symm", **sizing, **ext))(config=config).cuda()
+        load_weights(built, weights)
+        return built
+
+    get, put, put_poisoned = layer(), layer(return_transfer="put"), layer(return_transfer="put", debug_poison=True)
+    for seed in (7, 8):
+        x, g = inputs(seed)
+        want = run_step(get, x, g)
+        for name, a, b in zip(("output", "input grad", "router grad"), run_step(put, x, g), want):
+            assert torch.equal(a, b), f"put return: {name} differs from get (seed {seed})"
+        for name, a, b in zip(("output", "input grad", "router grad"), run_step(put_poisoned, x, g), want):
+            assert torch.equal(a, b), f"put return under poison: {name} differs from get (seed {seed})"
+    assert profiled_sync_calls(lambda: run_step(put, *inputs(9))) == {}
+    x, g = inputs(11)
+    out, grad = capture_layer_step(put, 10)(x, g)
+    eager = run_step(get, x, g)
+    assert torch.equal(out, eager[0]) and torch.equal(grad, eager[1]), "put return replayed differs from get eager"
 
 
 def test_eager_step_makes_no_blocking_cuda_calls(weights):

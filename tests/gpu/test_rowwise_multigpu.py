@@ -120,7 +120,7 @@ def _run_schedule(layer, batches, order):
     return [(o.detach().float(), x.grad.float()) for o, x in zip(outs, xs)], grads, routes
 
 
-def _stress_rank(rank, world, port):
+def _stress_rank(rank, world, port, return_transfer="get"):
     from megatron_ext.testing.reference import assert_close
 
     weights = _init(rank, world, port)
@@ -129,7 +129,8 @@ def _stress_rank(rank, world, port):
         for live in (1, 2):
             for poison in (False, True):
                 ext = dict(capacity_factor=cf, lease_slots=live, debug_poison=poison)
-                symm, torch_ref = ep_layer("symm", world, weights, **ext), ep_layer("torch", world, weights, **ext)
+                symm = ep_layer("symm", world, weights, return_transfer=return_transfer, **ext)
+                torch_ref = ep_layer("torch", world, weights, **ext)
                 for step in range(STRESS_STEPS):
                     batches = [_inputs(rank, 100 * step + mb, tokens=512) for mb in range(live)]
                     order = list(range(live)) if step % 2 else list(reversed(range(live)))
@@ -150,10 +151,12 @@ def _stress_rank(rank, world, port):
     _finish()
 
 
-def test_symm_stress_ep2_against_torch_transport():
+@pytest.mark.parametrize("return_transfer", ["get", "put"])
+def test_symm_stress_ep2_against_torch_transport(return_transfer):
     """>= 20 steps per setting, fresh routes every step, cf 1.0 (drops) and 1.25, 1 and 2 live
-    microbatches in both backward orders on 2 lease slots, poison on and off."""
-    _spawn(_stress_rank, 2)
+    microbatches in both backward orders on 2 lease slots, poison on and off; rows returned by GET
+    and by PUT (transport/put_return.py)."""
+    _spawn(_stress_rank, 2, return_transfer)
 
 
 # ----------------------------------------------------------------------------- dropless arena (issue 20)

@@ -16,7 +16,10 @@ the fast peer's writes land as early as the barriers allow.
 --unfenced-poison replays the pre-fix poison (fill without a barrier): the run must then fail,
 which shows that the check can see the race. --fused-route-map runs FUSED_CASES with the GPU
 route map (Triton select and route kernels, counts exchanged over the simulated symmetric
-memory) instead of the torch one. Exits 0 when every case passes.
+memory) instead of the torch one. --return-put runs PUT_RETURN_CASES with return_transfer="put"
+(combine and dispatch backward PUT the rows back, transport/put_return.py); with
+--unfenced-put-back, minus the barrier between that PUT and the sum, which must then fail.
+Exits 0 when every case passes.
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ FUSED_CASES = {
     "fused_cf1.0_two_mb_reversed_poison": (2, 1.0, 2, "F0 F1 B1 B0", True, "random", 8),
     "fused_ep4_cf1.0_poison_late_rank1": (4, 1.0, 1, "F0 B0", True, "late1", 4),
 }
+# return_transfer="put": combine and dispatch backward PUT rows back into the sources' buffers
+PUT_RETURN_CASES = {
+    "put_cf1.0_two_mb_interleaved_poison": (2, 1.0, 2, "F0 F1 B0 B1", True, "random", 12),
+    "put_cf1.25_two_mb_reversed_late_rank0": (2, 1.25, 2, "F0 F1 B1 B0", True, "late0", 6),
+    "put_ep4_cf1.0_poison_late_rank1": (4, 1.0, 1, "F0 B0", True, "late1", 4),
+    "put_cf1.0_one_mb_late_rank1": (2, 1.0, 1, "F0 B0", False, "late1", 4),  # no poison barrier to hide behind
+}
 
 
 def step_inputs(world: int, step: int, mb: int, rank: int):
@@ -82,11 +92,11 @@ def fused_route_map(top_idx, probs, num_experts, capacity, transport, rank):
                               ep_rank=rank, need_row_source=False)
 
 
-def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fused=False):
+def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fused=False, return_put=False):
     num_experts = EXPERTS_PER_RANK * world
     capacity = rank_capacity(TOKENS, TOPK, world, cf, False)
     transport = SymmRowTransport(None, capacity, lease_slots=slots, poison=poison,
-                                 heap=PEERS.heap(rank), rank=rank, world=world)
+                                 heap=PEERS.heap(rank), rank=rank, world=world, return_put=return_put)
     rng = random.Random(seed * 97 + rank)
     failures, dropped = [], 0
 
@@ -137,10 +147,10 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
 
 def run_case(name: str, seed: int = 0):
     global PEERS
-    fused = name in FUSED_CASES
-    world, cf, slots, schedule, poison, delay, steps = (FUSED_CASES if fused else CASES)[name]
+    fused, return_put = name in FUSED_CASES, name in PUT_RETURN_CASES
+    world, cf, slots, schedule, poison, delay, steps = {**CASES, **FUSED_CASES, **PUT_RETURN_CASES}[name]
     PEERS = ThreadedPeers(world)
-    results = PEERS.run(rank_main, world, cf, slots, schedule, poison, delay, steps, seed, fused)
+    results = PEERS.run(rank_main, world, cf, slots, schedule, poison, delay, steps, seed, fused, return_put)
     failures = [f for rank_failures, _ in results for f in rank_failures]
     dropped = sum(d for _, d in results)
     return failures, dropped, PEERS.barriers_passed
@@ -149,9 +159,19 @@ def run_case(name: str, seed: int = 0):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--unfenced-poison", action="store_true")
-    parser.add_argument("--case", action="append", choices=sorted(CASES))
+    parser.add_argument("--case", action="append", choices=sorted({**CASES, **FUSED_CASES, **PUT_RETURN_CASES}))
     parser.add_argument("--fused-route-map", action="store_true", help="run FUSED_CASES instead")
+    parser.add_argument("--return-put", action="store_true", help="run PUT_RETURN_CASES instead")
+    parser.add_argument("--unfenced-put-back", action="store_true",
+                        help="drop the barrier between the PUT back and the sum (the run must then fail)")
     args = parser.parse_args()
+    if args.unfenced_put_back:
+        fence = SymmRowTransport._fence
+
+        def fence_all_but_put_back(self, buffer, phase):
+            if not (self.return_put and phase in ("combine", "dispatch backward")):
+                fence(self, buffer, phase)
+        SymmRowTransport._fence = fence_all_but_put_back
     if args.unfenced_poison:  # the pre-fix behaviour: fill without ordering against peers
         from megatron_ext.moe import buffers
 
@@ -159,7 +179,8 @@ def main() -> int:
             buffers.poison(buffer)
         buffers.poison_then_fence = symm.poison_then_fence = unfenced
     bad = 0
-    for name in (FUSED_CASES if args.fused_route_map else args.case or CASES):
+    chosen = args.case or (FUSED_CASES if args.fused_route_map else PUT_RETURN_CASES if args.return_put else CASES)
+    for name in chosen:
         failures, dropped, barriers = run_case(name)
         bad += report_case(name, failures, f"dropped routes {dropped}, barriers per rank {barriers}")
     return 1 if bad else 0

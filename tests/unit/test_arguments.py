@@ -51,7 +51,7 @@ def test_every_field_is_reachable_from_its_flag(megatron_parser):
     """Each flag alone changes exactly its own field."""
     for flag in FLAGS:
         value = {"dispatcher": "megatron", "transport": "torch",
-                 "capacity_factor": "3.5", "on_overflow": "error"}.get(flag.field, "7")
+                 "capacity_factor": "3.5", "on_overflow": "error", "return_transfer": "put"}.get(flag.field, "7")
         argv = [flag.flag] if flag.kind != "value" else [flag.flag, value]
         config = ext_config_from_args(megatron_parser.parse_args(argv))
         differs = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]

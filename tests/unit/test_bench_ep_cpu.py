@@ -47,16 +47,16 @@ def test_bench_ep_runs_on_two_cpu_ranks(tmp_path):
     assert "EP2 MoE layer, 2 ranks" in out and "disp+comb ms" in out, out
     for path in ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch"):
         assert any(line.startswith(path + " ") and "NOT AVAILABLE" not in line for line in out.splitlines()), out
-    for path in ("rowwise_symm", "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless",
-                 "rowwise_symm_bounded", "megatron_flex_deepep_gg"):  # no GPUs, no deep_ep here
+    for path in ("rowwise_symm", "rowwise_symm_put", "rowwise_symm_mxfp8", "rowwise_symm_graph",
+                 "rowwise_symm_dropless", "rowwise_symm_bounded", "megatron_flex_deepep_gg"):  # no GPUs, no deep_ep
         assert any(line.startswith(path) and "NOT AVAILABLE" in line for line in out.splitlines()), out
     assert "dispatch+combine rowwise_torch/megatron_alltoall: ratio" in out
     result = _result(tmp_path, "ep_layer")["result"]
     assert result["world_size"] == 2 and result["same_routes_all_paths"] is True
     rows = {r["path"]: r for r in result["rows"]}
     assert set(rows) == {"megatron_alltoall", "megatron_alltoall_gg", "megatron_flex_deepep_gg", "rowwise_torch",
-                         "rowwise_symm", "rowwise_symm_mxfp8", "rowwise_symm_graph", "rowwise_symm_dropless",
-                         "rowwise_symm_bounded"}
+                         "rowwise_symm", "rowwise_symm_put", "rowwise_symm_mxfp8", "rowwise_symm_graph",
+                         "rowwise_symm_dropless", "rowwise_symm_bounded"}
     for path in ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch"):
         row = rows[path]
         assert row["layer_fwd_bwd_ms"] > 0 and row["dispatch_combine_ms"] > 0 and row["tflops_per_gpu"] > 0, row

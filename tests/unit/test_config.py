@@ -15,6 +15,12 @@ from megatron_ext.config import MoEExtConfig
     (dict(lease_slots=0), "lease_slots"),
     (dict(dispatcher="megatron", mxfp8_dispatch=True), "mxfp8_dispatch needs dispatcher='rowwise'"),
     (dict(dispatcher="megatron", cuda_graphs=True), "cuda_graphs"),
+    (dict(return_transfer="push"), "unknown return_transfer 'push'"),
+    (dict(return_transfer="put", transport="torch"), "mode of the symm transport; use return_transfer='get'"),
+    (dict(return_transfer="put", transport="deepep"), "transport='deepep'"),
+    (dict(return_transfer="put", dispatcher="megatron"), "dispatcher='megatron'"),
+    (dict(return_transfer="put", mxfp8_dispatch=True), "MXFP8 PUT does not write the rows' return ids"),
+    (dict(return_transfer="put", dropless_arena=True), "arena's slots hold no return ids"),
 ])
 def test_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -90,3 +96,13 @@ def test_megatron_cuda_graph_runners_whole_layers_only_for_the_rowwise_layer():
                        (MoEExtConfig(transport="torch"), "NCCL")):
         problems = graph_runner_clash(local, ext)
         assert len(problems) == 1 and words in problems[0], problems
+
+
+def test_put_return_refused_where_auto_resolves_to_torch():
+    """transport='auto' is only known at layer build: on CPU it is the torch transport."""
+    import torch
+
+    from megatron_ext.moe.transport import make_transport
+
+    with pytest.raises(ValueError, match="resolved to 'torch' here"):
+        make_transport(MoEExtConfig(return_transfer="put"), None, 16, torch.device("cpu"))

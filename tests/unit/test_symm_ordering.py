@@ -28,6 +28,28 @@ def test_unfenced_poison_is_caught():
     assert proc.stdout.count("FAIL ") == 2 and "NaN" in proc.stdout, proc.stdout
 
 
+def _run_put_return(*flags):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_symm_ordering_interp.py"),
+                           "--return-put", *flags], env=dict(os.environ, TRITON_INTERPRET="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_put_return_phases_are_ordered_on_simulated_ranks():
+    """return_transfer="put" (combine and dispatch backward PUT rows back to their routes) on 2 and 4
+    simulated ranks with poison and a late rank: outputs, token and probability gradients exact."""
+    proc = _run_put_return()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok put_") == 4, proc.stdout
+
+
+def test_put_return_without_its_barrier_is_caught():
+    """The sum read before a late peer's rows landed: the same check must see it (the case has no
+    debug poison, whose own barrier before the PUT would narrow the window to a race)."""
+    proc = _run_put_return("--unfenced-put-back", "--case", "put_cf1.0_one_mb_late_rank1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.count("FAIL put_") == 1, proc.stdout
+
+
 def test_fused_route_map_phases_are_ordered_on_simulated_ranks():
     """The GPU route map (Triton kernels, the default on GPUs) on 2 and 4 simulated ranks: the plan
     reads the count table peers PUT over symmetric memory, then the same checks as above."""

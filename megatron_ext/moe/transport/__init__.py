@@ -43,6 +43,10 @@ def resolve_transport(choice: str, group, device: torch.device) -> str:
 def make_transport(ext_config, group, capacity: int, device: torch.device):
     """Build the configured transport for one layer's EP group and static capacity."""
     choice = resolve_transport(ext_config.transport, group, device)
+    if ext_config.return_transfer == "put" and choice != "symm":
+        raise ValueError(f"return_transfer='put' is a mode of the symm transport, but transport="
+                         f"{ext_config.transport!r} resolved to {choice!r} here (the symm transport needs GPUs "
+                         f"of one NVLink domain): use return_transfer='get'")
     timeout_s = peer_timeout_seconds(ext_config.peer_timeout_s)
     if choice == "torch":
         return TorchRowTransport(group, capacity, poison_tail=ext_config.debug_poison, timeout_s=timeout_s)
@@ -50,7 +54,7 @@ def make_transport(ext_config, group, capacity: int, device: torch.device):
         from megatron_ext.moe.transport.symm import SymmRowTransport
 
         return SymmRowTransport(group, capacity, lease_slots=ext_config.lease_slots, poison=ext_config.debug_poison,
-                                timeout_s=timeout_s)
+                                timeout_s=timeout_s, return_put=ext_config.return_transfer == "put")
     if choice == "deepep":
         from megatron_ext.moe.transport.deepep import DeepEPRowTransport
 

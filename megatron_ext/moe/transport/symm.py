@@ -17,6 +17,8 @@ Router probabilities ride with the rows (buffers.rows_with_values): the dispatch
 each kept route's probability at its row of the owner's [C] value array, the tail of the same
 leased allocation, and the dispatch-backward GET fetches each route's probability gradient from
 the same scratch. No phase and no barrier is added for them.
+With `return_put` (MoEExtConfig.return_transfer="put", transport/put_return.py) the two GET
+phases become a PUT back into the sources' receive buffers, a barrier and a local sum: no copy.
 
 The per-layer route-count exchange also runs over symmetric memory (`gather_counts`): each rank
 PUTs its [E] counts into row `rank` of every peer's [M, E] table, then barriers. No NCCL call is
@@ -28,16 +30,19 @@ domain (CUDA backend of torch symmetric memory, whose buffer_ptrs are peer-mappe
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
-from megatron_ext.kernels.row_transfer import copy_rows_below, get_rows, put_rows
+from megatron_ext.kernels.row_transfer import copy_rows_below, get_rows, put_rows, put_rows_back
 from megatron_ext.moe.buffers import (LeasePool, SymmetricBuffer, SymmetricHeap, TorchSymmetricHeap, poison,
                                      poison_then_fence, rows_with_values)
 from megatron_ext.formats.mxfp8 import packed_row_bytes
 from megatron_ext.moe.peer_failure import BarrierWatchdog
 from megatron_ext.moe.route_map import RouteMap
+from megatron_ext.moe.transport.put_return import OwnRoutes, own_routes
 
 
 _PHASE_OF_ROLE = {"combine_source": "combine", "dispatch_grad": "dispatch backward"}
@@ -48,9 +53,10 @@ class SymmRowTransport:
 
     def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False,
                  heap: SymmetricHeap | None = None, rank: int | None = None, world: int | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, return_put: bool = False):
         """`heap`, `rank` and `world` replace the process group's (simulated peers in tests).
-        `timeout_s` bounds every device barrier (moe/peer_failure.py); None: unbounded."""
+        `timeout_s` bounds every device barrier (moe/peer_failure.py); None: unbounded.
+        `return_put`: combine and dispatch backward return rows by PUT (transport/put_return.py)."""
         # The kernel's own bound is a backstop at twice the watchdog's, so the watchdog's message
         # (phase and group) comes first; a trapped barrier would only say "unspecified launch failure".
         self.timeout_ms = 0 if timeout_s is None else max(1, int(2 * timeout_s * 1000))
@@ -71,6 +77,10 @@ class SymmRowTransport:
         self._local_tables: dict[str, torch.Tensor] = {}
         self._values_scratch: dict[tuple, SymmetricBuffer] = {}
         self._counts: SymmetricBuffer | None = None
+        self.return_put = return_put
+        # return_put: per dispatched route map, its slot (the rows' return ids) and its own routes;
+        # dropped with the route map, as DeepEP's per-route state is (transport/deepep.py)
+        self._returns: dict[int, list] = {}
 
     def _ensure_buffers(self, row_width: int, dtype: torch.dtype, device: torch.device) -> None:
         """Dispatch slots hold payload rows (BF16 tokens, or packed MXFP8 viewed as float32) and,
@@ -81,7 +91,7 @@ class SymmRowTransport:
                 raise ValueError(f"this layer's dispatch buffers were allocated for rows of {local.shape[1]} "
                                  f"{local.dtype}, got {row_width} {dtype}: row size and dtype must stay fixed")
             return
-        slots = [rows_with_values(self.heap, self.capacity, row_width, dtype, device)
+        slots = [rows_with_values(self.heap, self.capacity, row_width, dtype, device, return_ids=self.return_put)
                  for _ in range(self.lease_slots)]
         self.pool = LeasePool(slots, poison=self.poison)
 
@@ -129,9 +139,17 @@ class SymmRowTransport:
             self._ensure_buffers(tokens.shape[1], tokens.dtype, tokens.device)
             lease = self.pool.acquire()
         slot = lease.buffer
+        if self.return_put and slot.return_table is None:
+            raise ValueError("return_transfer='put' needs dispatch slots with return ids; the dropless arena's "
+                             "slots have none: use return_transfer='get' with dropless_arena")
         put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, slot.peer_table,
-                 route_values=probs.float().contiguous(), value_table=slot.values_table, capacity=self.capacity)
+                 route_values=probs.float().contiguous(), value_table=slot.values_table,
+                 return_table=slot.return_table if self.return_put else None, source_rank=self.rank,
+                 capacity=self.capacity)
         self._fence(slot, "dispatch")
+        if self.return_put:
+            self._returns[id(route)] = [slot, None]
+            weakref.finalize(route, self._returns.pop, id(route), None)
         return slot.local, slot.values, lease
 
     def dispatch_quantized(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
@@ -142,6 +160,9 @@ class SymmRowTransport:
         Slots are float32 [C, P/4] words (byte-viewed for the kernel and the caller), so the
         pool's NaN poisoning and the slot shape are those of dispatch(packed.view(float32)).
         """
+        if self.return_put:
+            raise ValueError("return_transfer='put' cannot run with MXFP8 dispatch: the MXFP8 PUT writes no return "
+                             "ids; use return_transfer='get'")
         row_bytes = packed_row_bytes(tokens.shape[1])
         self._ensure_buffers(row_bytes // 4, torch.float32, tokens.device)
         lease = self.pool.acquire()
@@ -153,6 +174,8 @@ class SymmRowTransport:
         return slot.local.view(torch.uint8), slot.values, lease
 
     def combine(self, expert_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
+        if self.return_put:
+            return self._put_back("combine", expert_out, None, route)[0]
         source = self._gather_source("combine_source", expert_out, route)
         out = torch.empty(route.dest_row.shape[0], expert_out.shape[1], dtype=expert_out.dtype,
                           device=expert_out.device)
@@ -167,6 +190,8 @@ class SymmRowTransport:
         return target.local
 
     def dispatch_backward(self, grad_buffer: torch.Tensor, grad_row_probs: torch.Tensor | None, route: RouteMap):
+        if self.return_put:
+            return self._put_back("dispatch backward", grad_buffer, grad_row_probs, route)
         source = self._gather_source("dispatch_grad", grad_buffer, route, grad_row_probs)
         num_tokens, topk = route.dest_row.shape
         out = torch.empty(num_tokens, grad_buffer.shape[1], dtype=grad_buffer.dtype, device=grad_buffer.device)
@@ -198,6 +223,45 @@ class SymmRowTransport:
                         None if values is None else (values, source.values))
         self._fence(source, _PHASE_OF_ROLE[role])
         return source
+
+    def _put_back(self, phase: str, rows: torch.Tensor, values: torch.Tensor | None, route: RouteMap):
+        """return_transfer='put' (transport/put_return.py): each owner PUTs its rows below the
+        received count (and their values) to their routes' rows of the sources' receive buffers,
+        barriers, then each source sums its routes from its own buffer. Returns ([T, H], [T, K]
+        fp32 values or None)."""
+        state = self._returns.get(id(route))
+        if state is None:
+            raise RuntimeError(f"symm transport: {phase} for a route map this transport never dispatched; the "
+                               f"rows' return ids come from dispatch(tokens, probs, route) of the same map")
+        slot, own = state
+        num_tokens, topk = route.dest_rank.shape
+        if own is None:
+            own = state[1] = own_routes(route, self.world, self.capacity)
+        target = self._receive_buffer(num_tokens * topk, rows)
+        if self.poison:  # peers PUT into this buffer next: fence the fill before them
+            poison_then_fence(target)
+        put_rows_back(rows, slot.return_ids, route.recv_offsets[-1:], target.peer_table, num_tokens * topk,
+                      values=None if values is None else (values, target.values_table))
+        self._fence(target, phase)
+        return self._sum_own_routes(phase, target, own, values is not None)
+
+    def _receive_buffer(self, routes: int, rows_like: torch.Tensor) -> SymmetricBuffer:
+        """The shared [T*K, H] receive buffer (with [T*K] fp32 values) of return_transfer='put'."""
+        key = ("returned_rows", routes, rows_like.shape[1], rows_like.dtype)
+        if key not in self._values_scratch:
+            self._values_scratch[key] = rows_with_values(self.heap, routes, rows_like.shape[1], rows_like.dtype,
+                                                         rows_like.device, scratch_role="returned_rows")
+        return self._values_scratch[key]
+
+    def _sum_own_routes(self, phase: str, target: SymmetricBuffer, own: OwnRoutes, with_values: bool):
+        num_tokens, topk = own.rank.shape
+        out = torch.empty(num_tokens, target.local.shape[1], dtype=target.local.dtype, device=target.local.device)
+        values_out = (torch.empty(num_tokens, topk, dtype=torch.float32, device=out.device) if with_values
+                      else None)
+        get_rows(self._local_table(phase, target.local), own.rank, own.row, out,
+                 value_table=self._local_table(phase + " values", target.values) if with_values else None,
+                 values_out=values_out, capacity=num_tokens * topk)
+        return out, values_out
 
     def _local_table(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
         """A one-entry device table of `tensor`'s address (EP=1: the GET reads the local tensor)."""
