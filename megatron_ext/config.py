@@ -171,7 +171,6 @@ class MoEExtConfig:
         for name, wrong, why in (
                 ("dispatcher", self.dispatcher != "rowwise", "it is a mode of the rowwise dispatcher's symm transport"),
                 ("transport", self.transport in ("torch", "deepep"), "it is a mode of the symm transport"),
-                ("mxfp8_dispatch", self.mxfp8_dispatch, "the MXFP8 PUT does not write the rows' return ids"),
                 ("dropless_arena", self.dropless_arena, "the arena's slots hold no return ids")):
             if wrong:
                 raise ValueError(f"return_transfer='put' cannot run with {name}={getattr(self, name)!r}: {why}; "

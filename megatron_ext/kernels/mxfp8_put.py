@@ -31,7 +31,7 @@ try:
 
     from megatron_ext.kernels import mxfp8_quant
     from megatron_ext.kernels.mxfp8_quant import mxfp8_quantize_tile
-    from megatron_ext.kernels.row_transfer import _peer_row, _put_route_values
+    from megatron_ext.kernels.row_transfer import _peer_row, _put_return_ids, _put_route_values
 except ImportError:  # CPU-only torch without Triton: quantize_rows + pack_rows + a torch transport
     triton = None
 
@@ -42,9 +42,9 @@ if triton is not None:
 
     @triton.jit
     def _put_rows_mxfp8_kernel(bits_ptr, dest_rank_ptr, dest_row_ptr, peer_table_ptr, values_ptr, value_table_ptr,
-                               num_peers, capacity, H: tl.constexpr, K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                               INPUT_BF16: tl.constexpr, NATIVE_FP8_CAST: tl.constexpr, HAS_VALUES: tl.constexpr,
-                               BLOCKS: tl.constexpr):
+                               return_table_ptr, source_rank, num_peers, capacity, H: tl.constexpr, K: tl.constexpr,
+                               ROW_BYTES: tl.constexpr, INPUT_BF16: tl.constexpr, NATIVE_FP8_CAST: tl.constexpr,
+                               HAS_VALUES: tl.constexpr, HAS_RETURN: tl.constexpr, BLOCKS: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         N_BLOCKS: tl.constexpr = H // 32
         PAD: tl.constexpr = ROW_BYTES - H - N_BLOCKS  # 0..15 bytes
@@ -73,16 +73,20 @@ if triton is not None:
                 tl.store(dst + H + N_BLOCKS + pad, tl.zeros([16], dtype=tl.uint8), mask=(pad < PAD) & kept)
         if HAS_VALUES:
             _put_route_values(values_ptr, value_table_ptr, dest_rank_ptr, dest_row_ptr, token, num_peers, capacity, K)
+        if HAS_RETURN:
+            _put_return_ids(return_table_ptr, dest_rank_ptr, dest_row_ptr, token, source_rank, num_peers, capacity, K)
 
 
 def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor, peer_table: torch.Tensor,
                    *, route_values: torch.Tensor | None = None, value_table: torch.Tensor | None = None,
+                   return_table: torch.Tensor | None = None, source_rank: int = 0,
                    capacity: int | None = None, blocks_per_program: int | None = None,
                    num_warps: int | None = None) -> None:
     """Quantize src [T, H] (bf16/fp32, H % 32 == 0) to MXFP8 and store each packed row
     (``packed_row_bytes(H)`` bytes) into peer dest_rank[t, k]'s buffer row dest_row[t, k] for every
     kept route; dropped routes (-1) and routes outside [0, M) x [0, capacity) write nothing. Bytes equal
-    ``pack_rows(quantize_rows(src))``. `route_values` / `value_table`: as in row_transfer.put_rows."""
+    ``pack_rows(quantize_rows(src))``. `route_values` / `value_table`, `return_table` / `source_rank`:
+    as in row_transfer.put_rows."""
     op = "put_rows_mxfp8"
     T, K, H = check_common(op, src, dest_rank, dest_row, peer_table, values=("route_values", route_values),
                            value_table=value_table)
@@ -105,9 +109,10 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
     bits = src.view(torch.int16) if src.dtype == torch.bfloat16 else src.view(torch.int32)
     _put_rows_mxfp8_kernel[(T,)](
         bits, dest_rank, dest_row, peer_table, route_values if route_values is not None else bits,
-        value_table if value_table is not None else peer_table, peer_table.numel(), row_bound(capacity), H, K,
-        packed_row_bytes(H), INPUT_BF16=src.dtype == torch.bfloat16,
+        value_table if value_table is not None else peer_table,
+        return_table if return_table is not None else peer_table, source_rank, peer_table.numel(),
+        row_bound(capacity), H, K, packed_row_bytes(H), INPUT_BF16=src.dtype == torch.bfloat16,
         NATIVE_FP8_CAST=src.is_cuda and mxfp8_quant.NATIVE_FP8_CAST_ON_GPU, HAS_VALUES=route_values is not None,
-        BLOCKS=blocks_per_program, num_warps=num_warps,
+        HAS_RETURN=return_table is not None, BLOCKS=blocks_per_program, num_warps=num_warps,
     )
 

@@ -212,6 +212,9 @@ def test_mxfp8_dispatch_on_gpu(weights):
         assert_close(a, b, 0.08, f"MXFP8 vs BF16 dispatch {name}")  # bound: tests/multirank/test_mxfp8_dispatch.py
     pool_bytes = lambda layer: layer.token_dispatcher.transport.pool.slots[0].local.nbytes  # noqa: E731
     assert pool_bytes(mx_layer) <= 0.53 * pool_bytes(bf16_layer)
+    mx_put = run_step(make_layer("symm", weights, mxfp8_dispatch=True, return_transfer="put"), x, g)
+    for name, a, b in zip(("output", "input grad", "router grad"), mx_put, mx):
+        assert torch.equal(a, b), f"MXFP8 dispatch with rows returned by PUT: {name} differs from GET"
     static_x = x.clone().requires_grad_(True)
 
     def step():

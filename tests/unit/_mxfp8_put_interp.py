@@ -56,14 +56,40 @@ def run_case(name, src, dest_rank, dest_row, M, C, **options) -> bool:
 
 
 def single_rank_route(dest_rank, dest_row, C):
-    """A one-rank RouteMap: row_source marks the rows some kept route writes (0) and the tail (-1)."""
+    """A one-rank RouteMap: row_source marks the rows some kept route writes (0) and the tail (-1);
+    one expert receives every kept route's row (random_routes packs them from row 0)."""
     import torch
 
     from megatron_ext.moe.route_map import RouteMap
 
     row_source = torch.full((C,), -1, dtype=torch.int32, device=dest_row.device)
     row_source[dest_row[dest_row >= 0].long()] = 0
-    return RouteMap(dest_rank, dest_row, None, None, row_source, None)
+    received = (dest_row >= 0).sum().to(torch.int32).reshape(1)
+    return RouteMap(dest_rank, dest_row, received, received.clone(), row_source, None)
+
+
+def check_put_return_after_mxfp8_dispatch() -> bool:
+    """return_transfer="put" after an MXFP8 dispatch (EP=1, CPU): combine and dispatch backward
+    equal the GET path's, which reads the same rows (the MXFP8 PUT wrote each row's return id)."""
+    import torch
+
+    from megatron_ext.moe.transport.symm import SymmRowTransport
+    from tests.unit._row_transfer_interp import random_routes
+
+    T, K, H, C = 8, 3, 64, 30
+    dest_rank, dest_row = random_routes(T, K, 1, C, drop=0.2, seed=8)
+    route = single_rank_route(dest_rank, dest_row, C)
+    tokens, probs = torch.randn(T, H, dtype=torch.bfloat16), torch.rand(T, K)
+    expert_out, grad_rows, grad_row_probs = torch.randn(C, H).bfloat16(), torch.randn(C, H).bfloat16(), torch.rand(C)
+    results = []
+    for return_put in (False, True):
+        symm = SymmRowTransport(None, C, poison=True, return_put=return_put)
+        *_, lease = symm.dispatch_quantized(tokens, probs, route)
+        results.append((symm.combine(expert_out, route), *symm.dispatch_backward(grad_rows, grad_row_probs, route)))
+        symm.release(lease)
+    ok = all(torch.equal(a, b) for a, b in zip(*results)) and not results[1][0].isnan().any()
+    print(f"{'ok  ' if ok else 'FAIL'} put return after MXFP8 dispatch == get (EP=1)", flush=True)
+    return ok
 
 
 def check_symm_transport() -> bool:
@@ -144,6 +170,7 @@ def main() -> int:
         dest_rank, dest_row = random_routes(T, 2, 2, T + 2, drop=0.2, seed=T)
         results.append(run_case(f"spec {name}", x, dest_rank, dest_row, 2, T + 2))
     results.append(check_symm_transport())
+    results.append(check_put_return_after_mxfp8_dispatch())
     failures = results.count(False)
     print(f"{len(results)} cases, {failures} mismatches")
     return 1 if failures else 0

@@ -147,10 +147,14 @@ class SymmRowTransport:
                  return_table=slot.return_table if self.return_put else None, source_rank=self.rank,
                  capacity=self.capacity)
         self._fence(slot, "dispatch")
+        self._remember_returns(route, slot)
+        return slot.local, slot.values, lease
+
+    def _remember_returns(self, route: RouteMap, slot: SymmetricBuffer) -> None:
+        """return_put: the slot whose return ids the route map's combine and dispatch backward use."""
         if self.return_put:
             self._returns[id(route)] = [slot, None]
             weakref.finalize(route, self._returns.pop, id(route), None)
-        return slot.local, slot.values, lease
 
     def dispatch_quantized(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
         """PUT of MXFP8 rows: tokens [T, H] bf16/fp32 are quantized inside the PUT kernel straight
@@ -160,17 +164,16 @@ class SymmRowTransport:
         Slots are float32 [C, P/4] words (byte-viewed for the kernel and the caller), so the
         pool's NaN poisoning and the slot shape are those of dispatch(packed.view(float32)).
         """
-        if self.return_put:
-            raise ValueError("return_transfer='put' cannot run with MXFP8 dispatch: the MXFP8 PUT writes no return "
-                             "ids; use return_transfer='get'")
         row_bytes = packed_row_bytes(tokens.shape[1])
         self._ensure_buffers(row_bytes // 4, torch.float32, tokens.device)
         lease = self.pool.acquire()
         slot = lease.buffer
         put_rows_mxfp8(tokens.contiguous(), route.dest_rank, route.dest_row, slot.peer_table,
                        route_values=probs.float().contiguous(), value_table=slot.values_table,
+                       return_table=slot.return_table if self.return_put else None, source_rank=self.rank,
                        capacity=self.capacity)
         self._fence(slot, "MXFP8 dispatch")
+        self._remember_returns(route, slot)
         return slot.local.view(torch.uint8), slot.values, lease
 
     def combine(self, expert_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
