@@ -92,6 +92,21 @@ if triton is not None:
         return base + tl.where(kept, row, 0).to(tl.int64) * H, kept
 
     @triton.jit
+    def _route_source(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H: tl.constexpr,
+                      BUF: tl.constexpr, OWN_ROWS: tl.constexpr):
+        """(pointer to the row route reads, kept?). OWN_ROWS: row `route` of the one buffer in the
+        table (a source's receive buffer, filled by put_rows_back), kept where put_rows delivered
+        the route; otherwise the route's destination row (_peer_row)."""
+        if OWN_ROWS:
+            rank = tl.load(dest_rank_ptr + route)
+            row = tl.load(dest_row_ptr + route)
+            kept = (rank >= 0) & (row >= 0) & (rank < num_peers) & (row < capacity)
+            base = tl.multiple_of(tl.load(peer_table_ptr).to(tl.pointer_type(BUF)), 16)
+            return base + route * H, kept
+        else:
+            return _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H, BUF)
+
+    @triton.jit
     def _put_route_values(values_ptr, value_table_ptr, dest_rank_ptr, dest_row_ptr, token, num_peers, capacity,
                           K: tl.constexpr):
         """Store each kept route's fp32 value (its router probability) at its destination row of the
@@ -104,12 +119,12 @@ if triton is not None:
 
     @triton.jit
     def _get_route_values(value_table_ptr, dest_rank_ptr, dest_row_ptr, values_out_ptr, token, num_peers, capacity,
-                          K: tl.constexpr):
+                          K: tl.constexpr, OWN_ROWS: tl.constexpr):
         """values_out[t, k] = the fp32 value at route (t, k)'s row of its owner's [C] value array, 0 if dropped."""
         for k in tl.static_range(K):
             route = token * K + k
-            src, kept = _peer_row(value_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, 1,
-                                  tl.float32)
+            src, kept = _route_source(value_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, 1,
+                                      tl.float32, OWN_ROWS)
             tl.store(values_out_ptr + route, tl.where(kept, tl.load(src, mask=kept, other=0.0), 0.0))
 
     @triton.jit
@@ -175,7 +190,7 @@ if triton is not None:
     def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr,
                          value_table_ptr, values_out_ptr, num_peers, capacity, H: tl.constexpr, K: tl.constexpr,
                          HAS_WEIGHTS: tl.constexpr, HAS_GATHERED: tl.constexpr, HAS_VALUES: tl.constexpr,
-                         BUF: tl.constexpr, BLOCK_H: tl.constexpr):
+                         BUF: tl.constexpr, BLOCK_H: tl.constexpr, OWN_ROWS: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -184,7 +199,8 @@ if triton is not None:
             acc = tl.zeros([BLOCK_H], dtype=tl.float32)
             for k in tl.static_range(K):  # unrolled: the K loads are in flight together
                 route = token * K + k
-                src, kept = _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H, BUF)
+                src, kept = _route_source(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H,
+                                          BUF, OWN_ROWS)
                 row = tl.load(src + col, mask=in_row & kept, other=0.0).to(tl.float32)
                 if HAS_WEIGHTS:
                     acc += tl.where(kept, tl.load(weights_ptr + route), 0.0) * row
@@ -195,7 +211,7 @@ if triton is not None:
             tl.store(out_ptr + token * H + col, acc.to(out_ptr.dtype.element_ty), mask=in_row)
         if HAS_VALUES:
             _get_route_values(value_table_ptr, dest_rank_ptr, dest_row_ptr, values_out_ptr, token, num_peers, capacity,
-                              K)
+                              K, OWN_ROWS)
 
 
     @triton.jit
@@ -292,13 +308,16 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
              weights: torch.Tensor | None = None, gathered: torch.Tensor | None = None, *,
              value_table: torch.Tensor | None = None, values_out: torch.Tensor | None = None,
              capacity: int | None = None, buffer_dtype: torch.dtype | None = None, block_h: int | None = None,
-             num_warps: int | None = None) -> torch.Tensor:
+             num_warps: int | None = None, own_rows_of: int | None = None) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * peer[dest_rank[t, k]][dest_row[t, k]] (fp32 accumulation, weights
     None = 1, dropped routes add exactly 0); if `gathered` [T, K, H] is given, it receives every fetched
     row (0 for dropped). With `value_table` (the owners' [C] fp32 arrays) and `values_out` [T, K] fp32,
     each route also fetches the value at its row (0 for dropped), in the same launch. Peer buffers
     hold `buffer_dtype` (default: out's dtype). Routes outside [0, M) x [0, capacity) read nothing
-    and add 0, like dropped ones. Returns out."""
+    and add 0, like dropped ones. `own_rows_of` = M: the table holds one buffer, this rank's [T*K, H]
+    receive buffer (and its values), and route (t, k) reads its row t * K + k, where put_rows_back
+    left it, if put_rows delivered the route to one of the M ranks (return_transfer="put").
+    Returns out."""
     T, K, H = check_common("get_rows", out, dest_rank, dest_row, peer_table, (("weights", weights),),
                            ("values_out", values_out), value_table)
     buffer_dtype = out.dtype if buffer_dtype is None else buffer_dtype
@@ -317,12 +336,17 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
         return out
     block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
     has_values = values_out is not None
+    if own_rows_of is not None:
+        require(peer_table.numel() == 1 and capacity is not None,
+                f"get_rows: own_rows_of needs a one-entry table (this rank's receive buffer) and the owners' "
+                f"capacity; got a table of {peer_table.numel()} and capacity {capacity}")
     _get_rows_kernel[(T,)](peer_table, dest_rank, dest_row, out, out if weights is None else weights,
                            out if gathered is None else gathered, value_table if has_values else peer_table,
-                           values_out if has_values else out, peer_table.numel(), row_bound(capacity), H, K,
+                           values_out if has_values else out,
+                           peer_table.numel() if own_rows_of is None else own_rows_of, row_bound(capacity), H, K,
                            HAS_WEIGHTS=weights is not None, HAS_GATHERED=gathered is not None,
                            HAS_VALUES=has_values, BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h,
-                           num_warps=num_warps)
+                           num_warps=num_warps, OWN_ROWS=own_rows_of is not None)
     return out
 
 

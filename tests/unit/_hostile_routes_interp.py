@@ -90,6 +90,14 @@ def main() -> int:
         get_rows(peer_table_from_buffers(peers), clean_rank, clean_row, out_ref, scale, gathered_ref, capacity=C)
         if torch.isnan(out).any() or not torch.equal(out, out_ref) or not torch.equal(gathered, gathered_ref):
             failures.append(f"get M={M}: out-of-range routes read memory or changed other routes")
+        # the local sum of return_transfer="put": a route put_rows did not deliver reads nothing
+        received = torch.full((T * K + CANARY, H), float("nan"))  # canary rows past T*K
+        received[:T * K] = torch.randn(T * K, H)
+        own = peer_table_from_buffers([received[:T * K]])
+        for rank, row, dest in ((bad_rank, bad_row, out), (clean_rank, clean_row, out_ref)):
+            get_rows(own, rank, row, dest, capacity=C, own_rows_of=M)
+        if torch.isnan(out).any() or not torch.equal(out, out_ref):
+            failures.append(f"sum of own rows M={M}: undelivered routes were read")
     for line in failures:
         print("FAIL", line)
     print(f"hostile routes: {len(failures)} failures")

@@ -34,12 +34,13 @@ from megatron_ext.kernels import route_plan
 from megatron_ext.moe import fused_routes
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.route_map import route
-from megatron_ext.moe.transport import symm
+from megatron_ext.moe.transport import put_return, symm
 from megatron_ext.moe.transport.symm import SymmRowTransport
 from megatron_ext.testing.threaded_peers import (ThreadedPeers, failed_checks, phase_delay, report_case,
                                                  serialize_kernels)
 
 serialize_kernels(symm)
+serialize_kernels(put_return)
 serialize_kernels(route_plan, names=("select_routes", "plan_and_place"))
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 32, 8, 2, 2

@@ -24,21 +24,38 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.kernels.row_transfer import get_rows
+from megatron_ext.moe.buffers import SymmetricBuffer, SymmetricHeap, rows_with_values
 from megatron_ext.moe.route_map import RouteMap
 
 
 @dataclass(frozen=True)
-class OwnRoutes:
-    """A route map's routes as rows of the source's own receive buffer: route (t, k) is row
-    t * K + k of rank 0 of a one-entry table; a route the dispatch did not deliver is dropped."""
+class ReceiveBuffer:
+    """A source's [T*K, H] receive buffer and [T*K] fp32 values (one symmetric allocation, shared by
+    the layers), with one-entry tables of this rank's own rows and values for the local sum."""
 
-    rank: torch.Tensor  # [T, K] int32: 0 where delivered, -1 where not
-    row: torch.Tensor  # [T, K] int32: t * K + k
+    buffer: SymmetricBuffer
+    own_rows: torch.Tensor  # [1] int64: the address of this rank's rows
+    own_values: torch.Tensor  # [1] int64: the address of this rank's values
 
 
-def own_routes(route: RouteMap, world: int, capacity: int) -> OwnRoutes:
-    """The routes put_rows delivered (its mask: rank in [0, M), row in [0, capacity)) as own rows."""
-    dest_rank, dest_row = route.dest_rank, route.dest_row
-    delivered = (dest_rank >= 0) & (dest_rank < world) & (dest_row >= 0) & (dest_row < capacity)
-    rows = torch.arange(dest_rank.numel(), dtype=torch.int32, device=dest_rank.device).view(dest_rank.shape)
-    return OwnRoutes(torch.where(delivered, 0, -1).to(torch.int32), rows)
+def receive_buffer(heap: SymmetricHeap, routes: int, rows_like: torch.Tensor) -> ReceiveBuffer:
+    """Allocate (collective, first forward) the receive buffer for `routes` = T*K rows like `rows_like`."""
+    buffer = rows_with_values(heap, routes, rows_like.shape[1], rows_like.dtype, rows_like.device,
+                              scratch_role="returned_rows")
+    own = torch.tensor([buffer.local.data_ptr(), buffer.values.data_ptr()], dtype=torch.int64, device=rows_like.device)
+    return ReceiveBuffer(buffer, own[:1], own[1:])
+
+
+def sum_returned(receive: ReceiveBuffer, route: RouteMap, world: int, capacity: int, with_values: bool):
+    """Each token's routes summed from this rank's receive buffer in fp32, k in order (as the GET
+    sums them): ([T, H], [T, K] fp32 values or None). A route the dispatch did not deliver adds 0
+    and gets value 0, read from the route map inside the kernel (get_rows' own_rows_of)."""
+    num_tokens, topk = route.dest_rank.shape
+    local = receive.buffer.local
+    out = torch.empty(num_tokens, local.shape[1], dtype=local.dtype, device=local.device)
+    values_out = torch.empty(num_tokens, topk, dtype=torch.float32, device=local.device) if with_values else None
+    get_rows(receive.own_rows, route.dest_rank, route.dest_row, out,
+             value_table=receive.own_values if with_values else None, values_out=values_out, capacity=capacity,
+             own_rows_of=world)
+    return out, values_out

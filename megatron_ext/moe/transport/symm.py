@@ -42,7 +42,7 @@ from megatron_ext.moe.buffers import (LeasePool, SymmetricBuffer, SymmetricHeap,
 from megatron_ext.formats.mxfp8 import packed_row_bytes
 from megatron_ext.moe.peer_failure import BarrierWatchdog
 from megatron_ext.moe.route_map import RouteMap
-from megatron_ext.moe.transport.put_return import OwnRoutes, own_routes
+from megatron_ext.moe.transport.put_return import ReceiveBuffer, receive_buffer, sum_returned
 
 
 _PHASE_OF_ROLE = {"combine_source": "combine", "dispatch_grad": "dispatch backward"}
@@ -78,9 +78,10 @@ class SymmRowTransport:
         self._values_scratch: dict[tuple, SymmetricBuffer] = {}
         self._counts: SymmetricBuffer | None = None
         self.return_put = return_put
-        # return_put: per dispatched route map, its slot (the rows' return ids) and its own routes;
-        # dropped with the route map, as DeepEP's per-route state is (transport/deepep.py)
-        self._returns: dict[int, list] = {}
+        # return_put: per dispatched route map, its slot (the rows' return ids), dropped with the
+        # route map, as DeepEP's per-route state is (transport/deepep.py); the receive buffers
+        self._returns: dict[int, SymmetricBuffer] = {}
+        self._receive: dict[tuple, ReceiveBuffer] = {}
 
     def _ensure_buffers(self, row_width: int, dtype: torch.dtype, device: torch.device) -> None:
         """Dispatch slots hold payload rows (BF16 tokens, or packed MXFP8 viewed as float32) and,
@@ -153,7 +154,7 @@ class SymmRowTransport:
     def _remember_returns(self, route: RouteMap, slot: SymmetricBuffer) -> None:
         """return_put: the slot whose return ids the route map's combine and dispatch backward use."""
         if self.return_put:
-            self._returns[id(route)] = [slot, None]
+            self._returns[id(route)] = slot
             weakref.finalize(route, self._returns.pop, id(route), None)
 
     def dispatch_quantized(self, tokens: torch.Tensor, probs: torch.Tensor, route: RouteMap):
@@ -232,39 +233,25 @@ class SymmRowTransport:
         received count (and their values) to their routes' rows of the sources' receive buffers,
         barriers, then each source sums its routes from its own buffer. Returns ([T, H], [T, K]
         fp32 values or None)."""
-        state = self._returns.get(id(route))
-        if state is None:
+        slot = self._returns.get(id(route))
+        if slot is None:
             raise RuntimeError(f"symm transport: {phase} for a route map this transport never dispatched; the "
                                f"rows' return ids come from dispatch(tokens, probs, route) of the same map")
-        slot, own = state
         num_tokens, topk = route.dest_rank.shape
-        if own is None:
-            own = state[1] = own_routes(route, self.world, self.capacity)
-        target = self._receive_buffer(num_tokens * topk, rows)
+        receive = self._receive_buffer(num_tokens * topk, rows)
+        target = receive.buffer
         if self.poison:  # peers PUT into this buffer next: fence the fill before them
             poison_then_fence(target)
         put_rows_back(rows, slot.return_ids, route.recv_offsets[-1:], target.peer_table, num_tokens * topk,
                       values=None if values is None else (values, target.values_table))
         self._fence(target, phase)
-        return self._sum_own_routes(phase, target, own, values is not None)
+        return sum_returned(receive, route, self.world, self.capacity, values is not None)
 
-    def _receive_buffer(self, routes: int, rows_like: torch.Tensor) -> SymmetricBuffer:
-        """The shared [T*K, H] receive buffer (with [T*K] fp32 values) of return_transfer='put'."""
+    def _receive_buffer(self, routes: int, rows_like: torch.Tensor) -> ReceiveBuffer:
         key = ("returned_rows", routes, rows_like.shape[1], rows_like.dtype)
-        if key not in self._values_scratch:
-            self._values_scratch[key] = rows_with_values(self.heap, routes, rows_like.shape[1], rows_like.dtype,
-                                                         rows_like.device, scratch_role="returned_rows")
-        return self._values_scratch[key]
-
-    def _sum_own_routes(self, phase: str, target: SymmetricBuffer, own: OwnRoutes, with_values: bool):
-        num_tokens, topk = own.rank.shape
-        out = torch.empty(num_tokens, target.local.shape[1], dtype=target.local.dtype, device=target.local.device)
-        values_out = (torch.empty(num_tokens, topk, dtype=torch.float32, device=out.device) if with_values
-                      else None)
-        get_rows(self._local_table(phase, target.local), own.rank, own.row, out,
-                 value_table=self._local_table(phase + " values", target.values) if with_values else None,
-                 values_out=values_out, capacity=num_tokens * topk)
-        return out, values_out
+        if key not in self._receive:
+            self._receive[key] = receive_buffer(self.heap, routes, rows_like)
+        return self._receive[key]
 
     def _local_table(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
         """A one-entry device table of `tensor`'s address (EP=1: the GET reads the local tensor)."""
