@@ -170,8 +170,7 @@ class MoEExtConfig:
     def _check_return_put(self) -> None:
         for name, wrong, why in (
                 ("dispatcher", self.dispatcher != "rowwise", "it is a mode of the rowwise dispatcher's symm transport"),
-                ("transport", self.transport in ("torch", "deepep"), "it is a mode of the symm transport"),
-                ("dropless_arena", self.dropless_arena, "the arena's slots hold no return ids")):
+                ("transport", self.transport in ("torch", "deepep"), "it is a mode of the symm transport")):
             if wrong:
                 raise ValueError(f"return_transfer='put' cannot run with {name}={getattr(self, name)!r}: {why}; "
                                  f"use return_transfer='get'")

@@ -119,8 +119,10 @@ class RowArena:
             raise ValueError(f"the MoE layers sharing an arena must have the same tokens per rank and top-k: "
                              f"{max_tokens} x {topk} sizes {layout}, the arena was sized {self.layout}")
 
-    def allocate(self, heap, world: int, rank: int, width: int, dtype: torch.dtype, device) -> None:
-        """Collective with `heap` (None: local tensors, for transports that own no symmetric memory)."""
+    def allocate(self, heap, world: int, rank: int, width: int, dtype: torch.dtype, device,
+                 return_ids: bool = False) -> None:
+        """Collective with `heap` (None: local tensors, for transports that own no symmetric memory).
+        `return_ids`: each row's return id too (the symm transport's return_transfer="put")."""
         if self.slots:
             rows = self.slots[0].rows.local
             if rows.shape[1] != width or rows.dtype != dtype:
@@ -134,7 +136,7 @@ class RowArena:
                 values = torch.empty(self.layout.rows, dtype=torch.float32, device=device)
                 rows = SymmetricBuffer(local, _address_table(local), values=values, values_table=_address_table(values))
             else:
-                rows = rows_with_values(heap, self.layout.rows, width, dtype, device)
+                rows = rows_with_values(heap, self.layout.rows, width, dtype, device, return_ids=return_ids)
             self.slots.append(_Slot(rows, torch.zeros(world, dtype=torch.int64, device=device)))
 
     def open(self) -> _Slot:
@@ -214,9 +216,12 @@ class ArenaLayer:
         if self.index not in slot.views:
             start, rows, buffer = self.index * self.layout.region, self.capacity, slot.rows
             row_bytes = buffer.local.shape[1] * buffer.local.element_size()
-            slot.views[self.index] = SymmetricBuffer(
-                buffer.local[start:start + rows], buffer.peer_table + start * row_bytes, buffer.handle,
-                buffer.values[start:start + rows], buffer.values_table + start * 4)
+            view = SymmetricBuffer(buffer.local[start:start + rows], buffer.peer_table + start * row_bytes,
+                                   buffer.handle, buffer.values[start:start + rows], buffer.values_table + start * 4)
+            if buffer.return_ids is not None:
+                view.return_ids = buffer.return_ids[start:start + rows]
+                view.return_table = buffer.return_table + start * 4
+            slot.views[self.index] = view
         return ArenaLease(self, slot, forward_only=self.forward_only)
 
 

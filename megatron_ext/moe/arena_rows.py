@@ -1,8 +1,9 @@
 """One layer forward's rows in the dropless arena (moe/arena.py; docs/design.md, "Dropless arena"):
 what the experts call to keep their inputs and fc1's output there and to read them back.
 
-A non-last layer's token rows past its region P (and their probabilities) are spilled to the
-shared area after fc1's GEMM read them and restored before the experts' backward; fc1's rows are
+A non-last layer's token rows past its region P (and their probabilities, and with
+return_transfer="put" their return ids) are spilled to the shared area after fc1's GEMM read them
+and restored before the experts' backward; fc1's rows are
 kept in the local fc1 arena, written by the SwiGLU kernel as it reads them on GPUs (`fc1_place`)
 or copied on CPU (`keep_fc1`, `restore_fc1`). Every span is a device-sized `copy_row_span`.
 """
@@ -34,6 +35,8 @@ class ArenaRows:
         view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
         copy_row_span(view.local[region:], rows.local[shared], valid_rows - region, dst_start=self.start,
                       values=(view.values[region:], rows.values[shared]))
+        if rows.return_ids is not None:  # return_transfer="put": the dispatch backward sends these rows back
+            copy_row_span(view.return_ids[region:], rows.return_ids[shared], valid_rows - region, dst_start=self.start)
 
     def restore_inputs(self, valid_rows: torch.Tensor) -> None:
         """Before the experts' backward: the spilled rows and probabilities back after row P."""
@@ -42,6 +45,8 @@ class ArenaRows:
         view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
         copy_row_span(rows.local[shared], view.local[region:], valid_rows - region, src_start=self.start,
                       values=(rows.values[shared], view.values[region:]))
+        if rows.return_ids is not None:
+            copy_row_span(rows.return_ids[shared], view.return_ids[region:], valid_rows - region, src_start=self.start)
 
     def _fc1_arena(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """The slot's local fc1 arena (allocated at the experts' first forward)."""

@@ -143,7 +143,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         rank = getattr(transport, "rank", None)
         if rank is None:
             rank = self.ep_group.rank() if self.ep_size > 1 else 0
-        self.arena_layer.arena.allocate(heap, world, rank, hidden.shape[-1], hidden.dtype, hidden.device)
+        self.arena_layer.arena.allocate(heap, world, rank, hidden.shape[-1], hidden.dtype, hidden.device,
+                                        return_ids=getattr(transport, "return_put", False))
 
     def dispatch_postprocess(self, hidden: torch.Tensor, row_probs: torch.Tensor):
         # Counts and end offsets stay on the device. An MXFP8 payload goes with them, explicitly

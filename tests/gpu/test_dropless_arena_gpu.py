@@ -45,8 +45,9 @@ def assert_equal(got, want, what):
         assert torch.equal(a, b), f"{what}: {name} differs"
 
 
-def test_arena_equals_dropless_with_every_layer_spilling():
-    arena, dropless = make_stack(**ARENA), make_stack(dropless=True)
+@pytest.mark.parametrize("return_transfer", ["get", "put"])
+def test_arena_equals_dropless_with_every_layer_spilling(return_transfer):
+    arena, dropless = make_stack(**ARENA, return_transfer=return_transfer), make_stack(dropless=True)
     layout = arena[0].token_dispatcher.arena_layer.arena
     for seed in range(3):
         x, g = batch(seed)

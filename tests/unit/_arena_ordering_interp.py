@@ -17,8 +17,10 @@ as far as the barriers allow.
 A spill after the combine's barrier would still be safe: the next layer's count exchange is a
 second barrier every rank passes only after its spill. --spill-deferred moves each spill after
 the next layer's dispatch (the PUTs into region i+1 land first), and --no-spill drops it; both
-runs must fail, which shows the check sees rows overwritten before they were kept. Exits 0 when
-every case passes.
+runs must fail, which shows the check sees rows overwritten before they were kept. --return-put
+runs the transports with return_transfer="put", whose dispatch backward sends rows back by the
+return ids that spill with them; --no-id-spill leaves those ids behind, which must fail. Exits 0
+when every case passes.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ import sys
 
 import torch
 
+from megatron_ext.moe import arena_rows
 from megatron_ext.moe.arena import ArenaLayer, RowArena
 from megatron_ext.moe.route_map import route
-from megatron_ext.moe.transport import symm
+from megatron_ext.moe.transport import put_return, symm
 from megatron_ext.moe.transport.symm import SymmRowTransport
 from megatron_ext.testing.threaded_peers import (ThreadedPeers, failed_checks, phase_delay, report_case,
                                                  serialize_kernels)
 
 serialize_kernels(symm)
+serialize_kernels(put_return)
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK, LAYERS = 16, 16, 2, 2, 3
 
@@ -60,17 +64,17 @@ def layer_inputs(world: int, step: int, mb: int, layer: int, rank: int):
         torch.randn(TOKENS, HIDDEN, generator=gen)
 
 
-def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, seed, spill):
+def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, seed, spill, return_put):
     arena = RowArena(LAYERS, cf, region_factor, lease_slots=slots)
     arena.configure(TOKENS, TOPK)
     layers = [ArenaLayer(arena, i) for i in range(LAYERS)]
     heap = PEERS.heap(rank)
     transports = []
     for layer in layers:
-        transport = SymmRowTransport(None, layer.capacity, heap=heap, rank=rank, world=world)
+        transport = SymmRowTransport(None, layer.capacity, heap=heap, rank=rank, world=world, return_put=return_put)
         transport.slot_source = layer.lease
         transports.append(transport)
-    arena.allocate(heap, world, rank, HIDDEN, torch.float32, "cpu")
+    arena.allocate(heap, world, rank, HIDDEN, torch.float32, "cpu", return_ids=return_put)
     rng = random.Random(seed * 97 + rank)
     failures, spilled = [], 0
 
@@ -139,11 +143,11 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
     return failures, spilled
 
 
-def run_case(name: str, spill: str, seed: int = 0):
+def run_case(name: str, spill: str, return_put: bool = False, seed: int = 0):
     global PEERS
     world, cf, region_factor, slots, schedule, delay, steps = CASES[name]
     PEERS = ThreadedPeers(world)
-    results = PEERS.run(rank_main, world, cf, region_factor, slots, schedule, delay, steps, seed, spill)
+    results = PEERS.run(rank_main, world, cf, region_factor, slots, schedule, delay, steps, seed, spill, return_put)
     return [f for failures, _ in results for f in failures], sum(s for _, s in results)
 
 
@@ -153,9 +157,19 @@ def main() -> int:
     parser.add_argument("--spill-deferred", action="store_true",
                         help="spill after the next layer's dispatch (must fail)")
     parser.add_argument("--no-spill", action="store_true", help="never spill (must fail)")
+    parser.add_argument("--return-put", action="store_true",
+                        help="return_transfer='put': the rows' return ids spill and come back with them")
+    parser.add_argument("--no-id-spill", action="store_true",
+                        help="with --return-put, spill everything but the return ids (must fail)")
     args = parser.parse_args()
+    if args.no_id_spill:
+        copy = arena_rows.copy_row_span
+
+        def copy_all_but_ids(src, dst, *rest, **options):
+            return dst if src.dtype == torch.int32 else copy(src, dst, *rest, **options)
+        arena_rows.copy_row_span = copy_all_but_ids
     spill = "deferred" if args.spill_deferred else "never" if args.no_spill else "in order"
-    outcomes = [(name, *run_case(name, spill)) for name in args.case or CASES]
+    outcomes = [(name, *run_case(name, spill, args.return_put)) for name in args.case or CASES]
     failed = [report_case(name, failures, f"rows spilled {spilled}") for name, failures, spilled in outcomes]
     return 1 if any(failed) else 0
 

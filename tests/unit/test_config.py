@@ -19,7 +19,6 @@ from megatron_ext.config import MoEExtConfig
     (dict(return_transfer="put", transport="torch"), "mode of the symm transport; use return_transfer='get'"),
     (dict(return_transfer="put", transport="deepep"), "transport='deepep'"),
     (dict(return_transfer="put", dispatcher="megatron"), "dispatcher='megatron'"),
-    (dict(return_transfer="put", dropless_arena=True), "arena's slots hold no return ids"),
 ])
 def test_bad_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

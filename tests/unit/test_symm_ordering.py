@@ -73,3 +73,19 @@ def test_a_spill_after_the_next_dispatch_is_caught():
                                mutation, "--case", "ep2_spills_late_rank0"], env=dict(os.environ, TRITON_INTERPRET="1"),
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 1 and "rows read by the backward wrong" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _run_arena(*flags):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_arena_ordering_interp.py"), *flags],
+                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_dropless_arena_with_put_return_on_simulated_ranks():
+    """return_transfer="put" in the arena: the rows' return ids spill and come back with them, so
+    the dispatch backward sends each spilled row's gradient to its route; without that spill
+    (the ids left in region i+1, which the next layer's dispatch overwrites) the check fails."""
+    proc = _run_arena("--return-put", "--case", "ep2_two_mb_random", "--case", "ep4_spills_late_rank1")
+    assert proc.returncode == 0 and proc.stdout.count("ok ep") == 2, proc.stdout + proc.stderr
+    proc = _run_arena("--return-put", "--no-id-spill", "--case", "ep2_spills_late_rank0")
+    assert proc.returncode == 1 and "token gradient wrong" in proc.stdout, proc.stdout + proc.stderr

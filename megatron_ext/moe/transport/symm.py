@@ -141,8 +141,8 @@ class SymmRowTransport:
             lease = self.pool.acquire()
         slot = lease.buffer
         if self.return_put and slot.return_table is None:
-            raise ValueError("return_transfer='put' needs dispatch slots with return ids; the dropless arena's "
-                             "slots have none: use return_transfer='get' with dropless_arena")
+            raise ValueError("return_transfer='put' needs dispatch slots with return ids, and this slot (from "
+                             "slot_source) has none: allocate it with return ids (moe/arena.RowArena.allocate)")
         put_rows(tokens.contiguous(), route.dest_rank, route.dest_row, slot.peer_table,
                  route_values=probs.float().contiguous(), value_table=slot.values_table,
                  return_table=slot.return_table if self.return_put else None, source_rank=self.rank,
