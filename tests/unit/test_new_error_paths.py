@@ -93,3 +93,17 @@ def test_fused_route_map_refuses_experts_not_sharded_evenly_before_any_kernel():
         fused_routes.route(selection, 2, 16, gather_counts=lambda counts: table, ep_rank=0)
     with pytest.raises(ValueError, match="capacity must be >= 0 rows, got -1"):
         fused_routes.route(selection, 2, -1, gather_counts=lambda counts: table[:3], ep_rank=0)
+
+
+def test_put_return_for_a_route_map_never_dispatched_says_why():
+    """return_transfer='put' finds each row's way back from its dispatch: combine or dispatch
+    backward on another route map is an error naming that, not a read of stale return ids."""
+    from megatron_ext.moe.route_map import route
+    from megatron_ext.moe.transport.symm import SymmRowTransport
+
+    transport = SymmRowTransport(None, 16, return_put=True)
+    undispatched = route(torch.tensor([[0, 1], [1, 0]]), num_experts=2, capacity=16)
+    with pytest.raises(RuntimeError, match="combine for a route map this transport never dispatched"):
+        transport.combine(torch.zeros(16, 8), undispatched)
+    with pytest.raises(RuntimeError, match="dispatch backward for a route map this transport never dispatched"):
+        transport.dispatch_backward(torch.zeros(16, 8), torch.zeros(16), undispatched)
