@@ -110,7 +110,8 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
     _put_rows_mxfp8_kernel[(T,)](
         bits, dest_rank, dest_row, peer_table, route_values if route_values is not None else bits,
         value_table if value_table is not None else peer_table,
-        return_table if return_table is not None else peer_table, source_rank, peer_table.numel(),
+        return_table if return_table is not None else peer_table, 0 if return_table is None else source_rank,
+        peer_table.numel(),
         row_bound(capacity), H, K, packed_row_bytes(H), INPUT_BF16=src.dtype == torch.bfloat16,
         NATIVE_FP8_CAST=src.is_cuda and mxfp8_quant.NATIVE_FP8_CAST_ON_GPU, HAS_VALUES=route_values is not None,
         HAS_RETURN=return_table is not None, BLOCKS=blocks_per_program, num_warps=num_warps,

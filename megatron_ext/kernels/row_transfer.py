@@ -80,13 +80,18 @@ if triton is not None:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H: tl.constexpr,
-                  BUF: tl.constexpr):
-        """(pointer to the route's destination row, kept?) — a route that is dropped (-1) or points outside
-        [0, num_peers) x [0, capacity) is masked: it points at rank 0 row 0 and nothing is read or written."""
+    def _route_target(dest_rank_ptr, dest_row_ptr, route, num_peers, capacity):
+        """(rank, row, kept?) of a route: kept unless dropped (-1) or outside [0, num_peers) x [0, capacity)."""
         rank = tl.load(dest_rank_ptr + route)
         row = tl.load(dest_row_ptr + route)
-        kept = (rank >= 0) & (row >= 0) & (rank < num_peers) & (row < capacity)
+        return rank, row, (rank >= 0) & (row >= 0) & (rank < num_peers) & (row < capacity)
+
+    @triton.jit
+    def _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H: tl.constexpr,
+                  BUF: tl.constexpr):
+        """(pointer to the route's destination row, kept?) — a route that is not kept (_route_target)
+        points at rank 0 row 0 and nothing is read or written."""
+        rank, row, kept = _route_target(dest_rank_ptr, dest_row_ptr, route, num_peers, capacity)
         base = tl.load(peer_table_ptr + tl.where(kept, rank, 0)).to(tl.pointer_type(BUF))
         base = tl.multiple_of(base, 16)  # peer buffers are 16-byte aligned: allows 128-bit accesses
         return base + tl.where(kept, row, 0).to(tl.int64) * H, kept
@@ -98,9 +103,7 @@ if triton is not None:
         table (a source's receive buffer, filled by put_rows_back), kept where put_rows delivered
         the route; otherwise the route's destination row (_peer_row)."""
         if OWN_ROWS:
-            rank = tl.load(dest_rank_ptr + route)
-            row = tl.load(dest_row_ptr + route)
-            kept = (rank >= 0) & (row >= 0) & (rank < num_peers) & (row < capacity)
+            _, _, kept = _route_target(dest_rank_ptr, dest_row_ptr, route, num_peers, capacity)
             base = tl.multiple_of(tl.load(peer_table_ptr).to(tl.pointer_type(BUF)), 16)
             return base + route * H, kept
         else:
@@ -269,7 +272,8 @@ def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
     has_values = route_values is not None
     _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale,
                            route_values if has_values else src, value_table if has_values else peer_table,
-                           peer_table if return_table is None else return_table, source_rank,
+                           peer_table if return_table is None else return_table,
+                           0 if return_table is None else source_rank,
                            peer_table.numel(), row_bound(capacity), H, K,
                            HAS_SCALE=row_scale is not None, HAS_VALUES=has_values, HAS_RETURN=return_table is not None,
                            BUF=_TL_DTYPES[src.dtype], BLOCK_H=block_h, num_warps=num_warps)

@@ -109,6 +109,11 @@ def sleep_ms(ms: float) -> None:
         time.sleep(ms / 1000)
 
 
+def schedule_events(schedule: str) -> list[tuple[str, int]]:
+    """"F0 F1 B1 B0" -> [("F", 0), ("F", 1), ("B", 1), ("B", 0)]: forwards and backwards of microbatches."""
+    return [(event[0], int(event[1:])) for event in schedule.split()]
+
+
 def phase_delay(mode: str, rank: int, rng) -> "callable":
     """A rank's pause between phases: "random" (0-3 ms from `rng`), "late<r>" (25 ms on rank r only:
     its peers run ahead as far as the barriers let them), anything else none."""

@@ -37,7 +37,7 @@ from megatron_ext.moe.route_map import route
 from megatron_ext.moe.transport import put_return, symm
 from megatron_ext.moe.transport.symm import SymmRowTransport
 from megatron_ext.testing.threaded_peers import (ThreadedPeers, failed_checks, phase_delay, report_case,
-                                                 serialize_kernels)
+                                                 schedule_events, serialize_kernels)
 
 serialize_kernels(symm)
 serialize_kernels(put_return)
@@ -105,8 +105,7 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
 
     for step in range(steps):
         live = {}
-        for event in schedule.split():
-            kind, mb = event[0], int(event[1:])
+        for kind, mb in schedule_events(schedule):
             wait()
             if kind == "F":
                 top_idx, tokens, probs, _ = step_inputs(world, step, mb, rank)
