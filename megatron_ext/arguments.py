@@ -84,8 +84,9 @@ FLAGS: tuple[ExtFlag, ...] = (
     ExtFlag("dropless_arena", "--moe-ext-dropless-arena", "on",
             help="Bounded dropless with one budget for the MoE layers of a microbatch (regions and spill): "
                  "--moe-ext-capacity-factor * T_max * top_k rows per layer on average, shared by the layers; "
-                 "routes beyond the budget follow --moe-ext-on-overflow. Implies the experts' activation "
-                 "recompute; SwiGLU experts without biases; torch or symm transport; no MXFP8 or Megatron graphs."),
+                 "routes beyond the budget follow --moe-ext-on-overflow. Keeps the experts' activation in the arena "
+                 "(recomputed under --recompute-modules moe_act); SwiGLU experts without biases; torch or symm "
+                 "transport; no MXFP8 or Megatron graphs."),
     ExtFlag("arena_region_factor", "--moe-ext-arena-region-factor", "value", type=float, metavar="RF",
             help="Rows of each MoE layer's own region in the arena, in T_max * top_k units (at most "
                  "--moe-ext-capacity-factor); the rest of the budget is the area loads above it spill into."),

@@ -41,7 +41,8 @@ class MoEExtConfig:
         shared by the layers (a layer may take more where another takes less); routes beyond the
         microbatch's budget follow on_overflow. Needs the layers attached to their arena
         (megatron_ext.moe.arena.attach_arenas; megatron.training runs do it at the first step),
-        implies the experts' activation recompute, and runs the SwiGLU experts without biases.
+        keeps the experts' activation in the arena too (recomputed instead under Megatron's
+        --recompute-modules moe_act), and runs the SwiGLU experts without biases.
     arena_region_factor: rows of each layer's own region in the arena, in T_max * K units (at most
         capacity_factor); the rest of the budget is the shared area that loads above it spill into.
     max_tokens_per_rank: T_max, the static number of tokens a rank holds in one microbatch;

@@ -3,11 +3,13 @@
 Paths (same weights, tokens and output gradients; symm transport, bf16; each layer's input is the
 previous output plus the tokens, megatron_ext.testing.moe_stack):
   megatron_gg        Megatron's alltoall dispatcher (dropless: it holds the rows that arrive, after a host
-                     wait per layer) with the same grouped experts, under --recompute-modules moe_act
+                     wait per layer) with the same grouped experts
   dropless           rowwise, dropless=True (every layer sized for the worst case, EP * T * K rows)
   per_layer          capacity factor per layer (--capacity-factor; at EP=1 every factor >= 1 is T * K rows)
-  per_layer_moe_act  per_layer under Megatron's --recompute-modules moe_act (what the arena implies)
-  arena              the arena with regions of T * K rows (nothing runs on at EP=1)
+  arena              the arena with regions of T * K rows (nothing runs on at EP=1); it keeps the
+                     activation in the arena as the others keep it for their backward
+  *_moe_act          megatron_gg, per_layer or arena under Megatron's --recompute-modules moe_act (the
+                     experts keep no activation and run it again in the backward)
   arena_spill        the arena with regions of --region-factor x T * K rows: every layer runs on past
                      its region and every layer but the last spills (the copies' cost)
   arena_spill_graph  arena_spill, the whole stack's forward+backward captured in one CUDA graph
@@ -43,8 +45,8 @@ from megatron_ext.testing.moe_stack import stack_forward
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
-PATHS = ("megatron_gg", "dropless", "per_layer", "per_layer_moe_act", "arena", "arena_spill", "arena_spill_graph",
-         "per_layer_runner", "arena_spill_runner")
+PATHS = ("megatron_gg", "megatron_gg_moe_act", "dropless", "per_layer", "per_layer_moe_act", "arena",
+         "arena_moe_act", "arena_spill", "arena_spill_graph", "per_layer_runner", "arena_spill_runner")
 MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 
 
@@ -61,14 +63,14 @@ def build_stack(path: str, args, world: int):
         region = args.region_factor if "spill" in path else min(1.0, args.arena_capacity_factor)
         ext = MoEExtConfig(transport="symm", dropless_arena=True, capacity_factor=args.arena_capacity_factor,
                            arena_region_factor=region, cuda_graphs=runner)
-    elif path != "megatron_gg":
+    elif not path.startswith("megatron_gg"):
         ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor, dropless=path == "dropless",
                            cuda_graphs=runner)
     layers = torch.nn.ModuleList()
     for index in range(args.layers):
         config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk, ep=world,
                             dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32",
-                            **(MOE_ACT if path in ("per_layer_moe_act", "megatron_gg") else {}))
+                            **(MOE_ACT if path.endswith("_moe_act") else {}))
         if ext is None:
             layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
         else:
@@ -84,7 +86,7 @@ def build_stack(path: str, args, world: int):
 
 def buffer_bytes(layers) -> int:
     """Bytes the layers keep between steps outside autograd: dispatch slots, or the arena (token rows,
-    probabilities and fc1's outputs). `held` does not see them; a training step holds both."""
+    probabilities, fc1's outputs and activations). `held` does not see them; a step holds both."""
     total, arenas = 0, {}
     for layer in layers:
         dispatcher = layer.token_dispatcher
@@ -93,7 +95,8 @@ def buffer_bytes(layers) -> int:
         elif getattr(getattr(dispatcher, "transport", None), "pool", None) is not None:
             total += sum(slot.local.nbytes + slot.values.nbytes for slot in dispatcher.transport.pool.slots)
     for arena in arenas.values():
-        total += sum(slot.rows.local.nbytes + slot.rows.values.nbytes + (0 if slot.fc1 is None else slot.fc1.nbytes)
+        total += sum(slot.rows.local.nbytes + slot.rows.values.nbytes
+                     + sum(local.nbytes for local in (slot.fc1, slot.act) if local is not None)
                      for slot in arena.slots)
     return total
 

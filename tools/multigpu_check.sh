@@ -215,7 +215,7 @@ step_ep() {
 step_arena() {
     # shellcheck disable=SC2046
     run_logged arena $(torchrun_cmd) tools/bench_dropless_arena.py --results-dir "$RESULTS_DIR" \
-        --paths megatron_gg,dropless,per_layer,per_layer_moe_act,arena,arena_spill --arena-capacity-factor 1.25 \
+        --paths megatron_gg,dropless,per_layer,arena,arena_spill,per_layer_moe_act,arena_moe_act --arena-capacity-factor 1.25 \
         --region-factor 0.9 --skew 0.25
     finish_step arena $?
 }

@@ -21,12 +21,15 @@ when the microbatch's budget is spent (counted, and an error at the next check w
 on_overflow="error").
 
 fc1's output, which the experts keep for their backward, is a fresh tensor (torch._grouped_mm
-has no out=): it is copied into a local arena of the same layout and read back in the backward;
-the activation is recomputed there (as Megatron's moe_act recompute does).
+has no out=): the SwiGLU kernel stores it into a local arena of the same layout as it reads it,
+and the backward reads it there. The activation is written by that kernel straight into a second
+local arena of the same layout (a layer's view runs on past P as its token rows do; its spill
+follows fc2's forward) unless Megatron's moe_act recompute is on, in which case it is recomputed
+in the backward as the per-layer path does.
 
 Cost removed: per-layer worst cases; the arena holds N * P + S rows per microbatch for all N
-layers. Cost accepted: spilled rows copied out and back, fc1's output copied out and back, the
-activation recomputed, and the copies touch the whole run-on room in their torch form.
+layers. Cost accepted: spilled rows (token, activation) copied out and back, and the copies touch
+the whole run-on room in their torch form.
 """
 
 from __future__ import annotations
@@ -84,11 +87,13 @@ def arena_layout(layers: int, max_tokens: int, topk: int, capacity_factor: float
 @dataclass
 class _Slot:
     """One live microbatch's storage: token rows and their probabilities (symmetric with the symm
-    transport), fc1's outputs (local, allocated at the experts' first forward), the spill cursor."""
+    transport), fc1's outputs and the activations (local, allocated at the experts' first forward;
+    the activations only without moe_act recompute), the spill cursor."""
 
     rows: SymmetricBuffer
     cursor: torch.Tensor  # [M] int64, shared-area rows spilled so far at each destination
     fc1: torch.Tensor | None = None
+    act: torch.Tensor | None = None
     busy: bool = False
     views: dict = field(default_factory=dict)
 
@@ -157,8 +162,9 @@ class RowArena:
             slot.busy = False
             if self.poison:
                 poison(slot.rows)
-                if slot.fc1 is not None:
-                    slot.fc1.fill_(float("nan"))
+                for local in (slot.fc1, slot.act):
+                    if local is not None:
+                        local.fill_(float("nan"))
 
 
 def _address_table(tensor: torch.Tensor) -> torch.Tensor:

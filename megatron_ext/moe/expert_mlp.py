@@ -34,19 +34,24 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             # The two intermediates live on ctx, not in saved_tensors, so backward can drop each as
             # soon as its last reader has run: peak memory as in torch's own three-node backward.
             ctx.intermediates = [fc1_out, None if recompute_activation else act]
-        else:  # moe/arena.py: the rows stay in the arena, fc1's output moves there, the activation is recomputed
+        else:  # moe/arena.py: the rows, fc1's output and (kept) the activation live in the arena
             arena.keep_inputs(valid_rows)
+            ctx.keeps_act = not recompute_activation
+            act_rows = arena.act_view(fc1_out.shape[1] // 2, fc1_out.dtype) if ctx.keeps_act else None
             if fc1_out.is_cuda:  # the SwiGLU kernel stores fc1's rows in the arena as it reads them
                 place = arena.fc1_place(fc1_out.shape[1], fc1_out.dtype)
-                act = swiglu_forward(fc1_out, valid_rows, probs, save_to=place)
+                act = swiglu_forward(fc1_out, valid_rows, probs, save_to=place, out=act_rows)
             else:
-                act = swiglu_forward(fc1_out, valid_rows, probs)
+                act = swiglu_forward(fc1_out, valid_rows, probs, out=act_rows)
                 arena.keep_fc1(fc1_out, valid_rows)
             ctx.save_for_backward(fc1_weight, fc2_weight, offsets)
             ctx.arena_inputs = (hidden, probs)  # on ctx: the arena's copies write their storage (version counter)
             ctx.intermediates = [None, None]
             del fc1_out
-        return torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
+        out = torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
+        if arena is not None and ctx.keeps_act:  # after fc2 read it: rows past P leave region i+1 to the next layer
+            arena.keep_act(valid_rows)
+        return out
 
     @staticmethod
     @once_differentiable  # the intermediates on ctx carry no graph: a double backward is refused, not wrong
@@ -62,6 +67,8 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         else:
             (fc1_weight, fc2_weight, offsets), (hidden, probs) = ctx.saved_tensors, ctx.arena_inputs
             ctx.arena.restore_inputs(offsets[-1])
+            if ctx.keeps_act:
+                act = ctx.arena.restore_act(offsets[-1])
             if hidden.is_cuda:  # the SwiGLU kernels read fc1's rows where the forward kept them
                 place = ctx.arena.fc1_place(fc1_weight.shape[1], fc1_weight.dtype)
             else:
@@ -94,9 +101,9 @@ def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weigh
     [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F], int32 end offsets [L], probs [rows] fp32.
     Rows at or past offsets[-1] are never read; their outputs and gradients are not defined.
     `recompute_activation`: keep fc1's output only and run the activation again in the backward.
-    `arena` (moe/arena_rows.ArenaRows): `hidden` and `probs` are that arena's view; fc1's output is kept
-    there and the activation recomputed."""
+    `arena` (moe/arena_rows.ArenaRows): `hidden` and `probs` are that arena's view; fc1's output and,
+    without `recompute_activation`, the activation are kept there."""
     if arena is not None and not hidden.is_contiguous():
         raise ValueError("the arena's rows are read in place: hidden must be the arena's (contiguous) view")
     return _SwiGLUGroupedMLP.apply(hidden.contiguous(), fc1_weight, fc2_weight, offsets, probs,
-                                   recompute_activation or arena is not None, arena)
+                                   recompute_activation, arena)

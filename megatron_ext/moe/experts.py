@@ -188,7 +188,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                 raise ValueError("the grouped experts cannot keep these rows in the dropless arena:\n  - "
                                  + "\n  - ".join(problems))
             return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs.reshape(-1),
-                                      arena=arena)
+                                      self.recompute_activation, arena)
         if probs is not None:
             if self.config.moe_apply_probs_on_input:  # as SequentialMLP: (p * x).to(x.dtype), then p = 1
                 hidden = (probs.reshape(-1, 1) * hidden).to(hidden.dtype)

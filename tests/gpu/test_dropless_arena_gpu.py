@@ -24,10 +24,14 @@ ARENA = dict(dropless_arena=True, capacity_factor=1.0, arena_region_factor=0.75)
 NAMES = ["output", "input grad"] + [f"layer {i} {p} grad" for i in range(LAYERS) for p in ("router", "fc1", "fc2")]
 
 
-def make_stack(**ext):
+MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
+
+
+def make_stack(recompute: bool = False, **ext):
     layers = torch.nn.ModuleList()
     for index in range(LAYERS):
-        config = moe_config(**SHAPE, dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32")
+        config = moe_config(**SHAPE, dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32",
+                            **(MOE_ACT if recompute else {}))
         layer = moe_builder(MoEExtConfig(transport="symm", **ext))(config=config).cuda()
         load_weights(layer, MoEWeights.random(SHAPE["experts"], SHAPE["hidden"], SHAPE["ffn"], seed=40 + index,
                                               dtype=torch.bfloat16))
@@ -45,13 +49,18 @@ def assert_equal(got, want, what):
         assert torch.equal(a, b), f"{what}: {name} differs"
 
 
-@pytest.mark.parametrize("return_transfer", ["get", "put"])
-def test_arena_equals_dropless_with_every_layer_spilling(return_transfer):
-    arena, dropless = make_stack(**ARENA, return_transfer=return_transfer), make_stack(dropless=True)
+@pytest.mark.parametrize("return_transfer,recompute", [("get", False), ("put", False), ("get", True)],
+                         ids=["get", "put", "get_moe_act"])
+def test_arena_equals_dropless_with_every_layer_spilling(return_transfer, recompute):
+    """The activation lives in the arena (spilled and restored with the rows), or with Megatron's
+    moe_act recompute is recomputed as the per-layer path does: equal either way."""
+    arena = make_stack(recompute, **ARENA, return_transfer=return_transfer, debug_poison=True)
+    dropless = make_stack(recompute, dropless=True)
     layout = arena[0].token_dispatcher.arena_layer.arena
     for seed in range(3):
         x, g = batch(seed)
         assert_equal(stack_step(arena, x, g), stack_step(dropless, x, g), f"seed {seed}")
+    assert all((slot.act is None) == recompute for slot in layout.slots)
     layout = layout.layout
     assert layout.region < TOKENS * SHAPE["topk"]  # every layer ran on past its region
     assert all(layer.read_metrics()["dropped_routes"] == 0 for layer in arena)

@@ -2,7 +2,7 @@
 
 gloo ranks, torch transport, a stack of MoE layers (each layer's input is the previous output plus
 the tokens). Without overflow the arena equals dropless=True bitwise (the same rows in the same
-order; spilled rows and fc1's outputs copied out and back unchanged), on balanced and skewed
+order; spilled rows, fc1's outputs and activations copied out and back unchanged), on balanced and skewed
 routing and with every layer spilling; the arena holds fewer rows than the worst case; beyond the
 budget routes are dropped and counted, or the check raises with on_overflow="error".
 """
@@ -13,6 +13,7 @@ import torch
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.moe.arena import ArenaLayout, arena_layout, attach_arenas
+from megatron_ext.moe.arena_rows import ArenaRows
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.specs import moe_builder
@@ -23,11 +24,15 @@ from megatron_ext.testing.reference import MoEWeights
 TOKENS, HIDDEN, FFN, EXPERTS, TOPK, LAYERS = 32, 32, 16, 8, 2, 3
 
 
-def _stack(world, skew: float, **ext):
+MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
+
+
+def _stack(world, skew: float, recompute: bool = False, **ext):
     layers = torch.nn.ModuleList()
     for index in range(LAYERS):
         layer = moe_builder(MoEExtConfig(transport="torch", **ext))(
-            config=moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, ep=world))
+            config=moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, ep=world,
+                              **(MOE_ACT if recompute else {})))
         weights = MoEWeights.random(EXPERTS, HIDDEN, FFN, seed=20 + index)
         weights.router[0] += skew  # tokens with a positive sum prefer expert 0 (rank 0's) in every layer
         load_weights(layer, weights)
@@ -39,11 +44,15 @@ def _step(layers, x, g):
     return stack_step(layers, x.view(TOKENS, 1, HIDDEN), g.view(TOKENS, 1, HIDDEN))
 
 
-def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop", poison=False):
+def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop", poison=False,
+                recompute=False, act_spill=True):
+    if not act_spill:  # a mutation (this forked rank only): the activation's rows past P stay in region i+1
+        ArenaRows.keep_act = lambda self, valid_rows: None
     x, g = rank_tokens(rank, TOKENS, HIDDEN)
     x = x + skew  # with the router's skew: most tokens send one route to expert 0
-    arena_stack = _stack(world, skew, dropless_arena=True, capacity_factor=capacity_factor,
+    arena_stack = _stack(world, skew, recompute, dropless_arena=True, capacity_factor=capacity_factor,
                          arena_region_factor=region_factor, on_overflow=on_overflow, debug_poison=poison)
+    kept = [layer.experts.recompute_activation is False for layer in arena_stack]
     (arena,) = attach_arenas(arena_stack)
     got = _step(arena_stack, x, g)
     metrics = [layer.read_metrics() for layer in arena_stack]
@@ -59,7 +68,8 @@ def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="
     received = [int(m["mean_buffer_fill"] * m["capacity"] + 0.5) for m in metrics]
     return {"equal": equal, "dropped": [m["dropped_routes"] for m in metrics], "received": received,
             "layout": arena.layout, "capacities": [layer.token_dispatcher.capacity for layer in arena_stack],
-            "error": error, "slots_busy": [slot.busy for slot in arena.slots]}
+            "error": error, "slots_busy": [slot.busy for slot in arena.slots],
+            "act_arena": arena.slots[0].act is not None and all(kept)}
 
 
 @pytest.mark.parametrize("world,budget", [(2, (1.5, 0.75)), (4, (2.0, 1.0))])
@@ -80,11 +90,23 @@ def test_arena_equals_dropless_and_holds_fewer_rows(world, budget, skew):
     assert busiest > layout.region  # the case ran on past a region (not a test of regions alone)
 
 
-def test_poisoned_arena_changes_nothing():
+@pytest.mark.parametrize("recompute", [False, True], ids=["activation_kept", "moe_act"])
+def test_poisoned_arena_changes_nothing(recompute):
     # debug_poison: the arena is NaN at every open and free, so a read of a row no one wrote (or
-    # a spill read back from the wrong place) would show as NaN against dropless=True.
-    for result in run_on_ranks(_arena_rank, 2, 0.25, 1.5, 0.75, "drop", True, sizes=ParallelSizes(ep=2)):
+    # a spill read back from the wrong place) would show as NaN against dropless=True. The
+    # activation lives in the arena unless Megatron's moe_act recompute is on (and then nowhere).
+    results = run_on_ranks(_arena_rank, 2, 0.25, 1.5, 0.75, "drop", True, recompute, sizes=ParallelSizes(ep=2))
+    for result in results:
         assert all(result["equal"]) and result["dropped"] == [0] * LAYERS, result
+        assert result["act_arena"] is not recompute
+    assert max(max(r["received"]) for r in results) > results[0]["layout"].region  # the layers ran on
+
+
+def test_the_activation_spill_is_what_keeps_it():
+    # The mutation: without keep_act, a spilling layer's activation rows past P are overwritten by
+    # the next layer's activation and its fc2 weight gradient reads poison or stale rows.
+    results = run_on_ranks(_arena_rank, 2, 0.25, 1.5, 0.75, "drop", True, False, False, sizes=ParallelSizes(ep=2))
+    assert any(not all(result["equal"]) for result in results), "the activation's spill is not checked"
 
 
 def test_skew_needs_the_shared_area_across_layers():
