@@ -8,13 +8,13 @@ previous output plus the tokens, megatron_ext.testing.moe_stack):
   per_layer          capacity factor per layer (--capacity-factor; at EP=1 every factor >= 1 is T * K rows)
   arena              the arena with regions of T * K rows (nothing runs on at EP=1); it keeps the
                      activation in the arena as the others keep it for their backward
-  *_moe_act          megatron_gg, per_layer or arena under Megatron's --recompute-modules moe_act (the
-                     experts keep no activation and run it again in the backward)
   arena_spill        the arena with regions of --region-factor x T * K rows: every layer runs on past
                      its region and every layer but the last spills (the copies' cost)
-  arena_spill_graph  arena_spill, the whole stack's forward+backward captured in one CUDA graph
-  per_layer_runner   per_layer, each layer replayed by megatron_ext's graph runner (--moe-ext-cuda-graphs)
-  arena_spill_runner arena_spill, each layer replayed by the graph runner
+A path is one of those, then optionally "_moe_act" (Megatron's --recompute-modules moe_act: the
+experts keep no activation and run it again in the backward), then optionally "_graph" (the whole
+stack's forward+backward captured in one CUDA graph: device work without the host) or "_runner"
+(each rowwise layer replayed by megatron_ext's graph runner, --moe-ext-cuda-graphs); e.g.
+arena_spill_moe_act_graph.
 Reported: device ms per stack step in turns (--rounds rounds, dense GEMMs of the step's FLOPs first
 in every round), host ms, bytes the forward leaves held for the backward plus the dispatch slots or
 arena the layers keep between steps, peak above that, blocking CUDA calls.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -45,12 +46,34 @@ from megatron_ext.testing.moe_stack import stack_forward
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
+BASES = ("megatron_gg", "dropless", "per_layer", "arena", "arena_spill")
 PATHS = ("megatron_gg", "megatron_gg_moe_act", "dropless", "per_layer", "per_layer_moe_act", "arena",
          "arena_moe_act", "arena_spill", "arena_spill_graph", "per_layer_runner", "arena_spill_runner")
 MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 
 
-def build_stack(path: str, args, world: int):
+@dataclass(frozen=True)
+class Path:
+    base: str
+    moe_act: bool = False
+    replay: str | None = None  # "graph" (the whole step) or "runner" (megatron_ext's per-layer runner)
+
+
+def parse_path(name: str) -> Path:
+    """base[_moe_act][_graph|_runner] (module docstring); a name outside that says which exist."""
+    rest, replay = name, None
+    for suffix in ("graph", "runner"):
+        if rest.endswith("_" + suffix):
+            rest, replay = rest[:-len(suffix) - 1], suffix
+    moe_act = rest.endswith("_moe_act")
+    base = rest[:-len("_moe_act")] if moe_act else rest
+    if base not in BASES or (replay is not None and base == "megatron_gg"):  # it waits on the host per layer
+        raise SystemExit(f"unknown path {name!r}: a path is one of {', '.join(BASES)}, then optionally _moe_act, "
+                         f"then optionally _graph or _runner (not megatron_gg: it synchronizes with the host)")
+    return Path(base, moe_act, replay)
+
+
+def build_stack(path: Path, args, world: int):
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.moe.arena import attach_arenas
     from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
@@ -58,19 +81,19 @@ def build_stack(path: str, args, world: int):
     from megatron_ext.testing.megatron_moe import megatron_moe_layer
 
     ext = None
-    runner = path.endswith("_runner")
-    if path.startswith("arena"):
-        region = args.region_factor if "spill" in path else min(1.0, args.arena_capacity_factor)
+    runner = path.replay == "runner"
+    if path.base.startswith("arena"):
+        region = args.region_factor if path.base == "arena_spill" else min(1.0, args.arena_capacity_factor)
         ext = MoEExtConfig(transport="symm", dropless_arena=True, capacity_factor=args.arena_capacity_factor,
                            arena_region_factor=region, cuda_graphs=runner)
-    elif not path.startswith("megatron_gg"):
-        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor, dropless=path == "dropless",
+    elif path.base != "megatron_gg":
+        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor, dropless=path.base == "dropless",
                            cuda_graphs=runner)
     layers = torch.nn.ModuleList()
     for index in range(args.layers):
         config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk, ep=world,
                             dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32",
-                            **(MOE_ACT if path.endswith("_moe_act") else {}))
+                            **(MOE_ACT if path.moe_act else {}))
         if ext is None:
             layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
         else:
@@ -143,15 +166,18 @@ def main():
     grad_out = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
     flops = args.layers * moe_model_flops(args.tokens, args.topk, args.hidden, args.ffn)
     steps, rows = {"dense_gemm": dense_gemm_step(flops, args.hidden, calls=3)[0]}, []
-    for path in args.paths.split(","):
-        layers = build_stack(path, args, world)
+    paths = args.paths.split(",")
+    for path in paths:
+        parse_path(path)  # every name checked before the first is timed
+    for path in paths:
+        layers = build_stack(parse_path(path), args, world)
         step, static_x = stack_step(layers, x, grad_out)
         step()
         row = {"path": path}
         runners = [layer._graph_runner for layer in layers if getattr(layer, "_graph_runner", None) is not None]
         if runners:  # a runner that could not capture runs eagerly: say so instead of timing it as graphed
             row["runner_eager_reasons"] = [r.eager_reason for r in runners if r.eager_reason is not None]
-        if path.endswith("_graph"):
+        if parse_path(path).replay == "graph":
             step = capture_replay(step)[0].replay
         else:
             row["blocking_cuda_calls"] = sum(profiled_sync_calls(step).values())
