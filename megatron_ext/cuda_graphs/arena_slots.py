@@ -28,14 +28,15 @@ def arena_untouched(arena_layer):
         return
     arena = arena_layer.arena
     current, busy = arena.current, [slot.busy for slot in arena.slots]
-    cursors = [slot.cursor.clone() for slot in arena.slots]
+    cursors = [(slot.cursors.clone(), slot.starts.clone()) for slot in arena.slots]
     try:
         yield
     finally:
         arena.current = current
-        for slot, was_busy, cursor in zip(arena.slots, busy, cursors):
+        for slot, was_busy, (cursor, starts) in zip(arena.slots, busy, cursors):
             slot.busy = was_busy
-            slot.cursor.copy_(cursor)
+            slot.cursors.copy_(cursor)
+            slot.starts.copy_(starts)
 
 
 @contextlib.contextmanager

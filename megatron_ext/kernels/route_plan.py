@@ -128,12 +128,17 @@ def _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L: tl.conste
 @triton.jit
 def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr, dest_row_ptr, packed_ptr,
                   recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, dest_capacity_ptr, capacity, rank, M, T, E, L,
+                  cursor_ptr, next_cursor_ptr, start_ptr, region, shared, run_on,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, PER_DEST: tl.constexpr):
+                  BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, PER_DEST: tl.constexpr, ARENA: tl.constexpr,
+                  SPILLS: tl.constexpr):
     """Plan and place in one launch: every program plans all M destinations (a few thousand
     integer ops), keeps what its tokens need (this rank's keep and base row per expert), and
     program 0 also stores the plan's outputs and metrics. PER_DEST: destination d may keep
-    dest_capacity[d] rows (int64, device) instead of `capacity` (the buffer's rows)."""
+    dest_capacity[d] rows (int64, device) instead of `capacity` (the buffer's rows). ARENA (the
+    dropless arena's cursor, moe/arena.ArenaCursor): destination d may keep region + min(shared -
+    cursor[d], run_on) rows, and program 0 writes the cursor after this layer (SPILLS: each
+    destination's rows past the region added) and this rank's spill start (shared - that)."""
     block = tl.program_id(0)
     first = block == 0
     experts = tl.arange(0, BLOCK_E)
@@ -144,7 +149,11 @@ def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr
     base_e = tl.zeros([BLOCK_E], dtype=tl.int64)  # the row its first kept route takes
     kept_mine_total = tl.sum(keep_e, axis=0)
     for dest in range(M):
-        if PER_DEST:
+        if ARENA:
+            spilled = tl.load(cursor_ptr + dest)
+            room = region + tl.minimum(shared - spilled, run_on)
+            keep, req = _plan_destination(requested_ptr, dest, room, M, E, L, BLOCK_L, BLOCK_M)
+        elif PER_DEST:
             keep, req = _plan_destination(requested_ptr, dest, tl.load(dest_capacity_ptr + dest), M, E, L,
                                           BLOCK_L, BLOCK_M)
         else:
@@ -167,6 +176,10 @@ def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr
         received = tl.sum(kept, axis=0)
         tl.store(fill_ptr, tl.div_rn(received.to(tl.float32), tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)
         tl.store(packed_ptr + 2 * E + 1, received.to(tl.int32), mask=is_mine)
+        if ARENA:  # the next layer's cursor is another array: no program reads what program 0 writes
+            moved = spilled + tl.maximum(received - region, 0) if SPILLS else spilled
+            tl.store(next_cursor_ptr + dest, moved, mask=first)
+            tl.store(start_ptr, shared - moved if SPILLS else moved * 0, mask=is_mine)
     # Dropped: every empty or unkept route slot of this rank (place keeps exactly the plan's keep).
     tl.store(packed_ptr + 2 * E, (T * K - kept_mine_total).to(tl.int32), mask=first)
     tl.store(packed_ptr + 2 * E + 2, tl.load(nonfinite_ptr), mask=first)
@@ -223,11 +236,13 @@ def select_backward(routing_map: torch.Tensor, grad_top_probs: torch.Tensor, dty
 
 
 def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: torch.Tensor, requested_all: torch.Tensor,
-                   topk: int, capacity: int, ep_rank: int, dest_capacity: torch.Tensor | None = None) -> dict:
+                   topk: int, capacity: int, ep_rank: int, dest_capacity: torch.Tensor | None = None,
+                   arena=None) -> dict:
     """The keep plan from the gathered [M, E] counts and this rank's rows, in one launch: a dict
     with dest_rank, dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept
     rows per (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed).
-    `dest_capacity` [M] (device): rows each destination may keep (at most `capacity`)."""
+    `dest_capacity` [M] (device): rows each destination may keep (at most `capacity`).
+    `arena` (moe/arena.ArenaCursor): the capacities come from its cursor, which the launch moves."""
     num_tokens, num_experts = routing_map.shape
     m = requested_all.shape[0]
     local = num_experts // m
@@ -240,8 +255,12 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
     _route_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
         routing_map.contiguous(), hist, requested_all.contiguous(), nonfinite, dest[0], dest[1], packed, receive[0],
         receive[1], fill, mine, fill if dest_capacity is None else dest_capacity.long().contiguous(), capacity,
-        ep_rank, m, num_tokens, num_experts, local, K=topk, BLOCK_K=triton.next_power_of_2(topk),
+        ep_rank, m, num_tokens, num_experts, local,
+        *((fill, fill, fill, 0, 0, 0) if arena is None else
+          (arena.before, arena.after, arena.start, arena.region, arena.shared, arena.run_on)),
+        K=topk, BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_L=triton.next_power_of_2(local),
-        BLOCK_M=triton.next_power_of_2(m), PER_DEST=dest_capacity is not None, num_warps=4)
+        BLOCK_M=triton.next_power_of_2(m), PER_DEST=dest_capacity is not None, ARENA=arena is not None,
+        SPILLS=arena is not None and arena.spills, num_warps=4)
     return {"dest_rank": dest[0], "dest_row": dest[1], "recv_counts": receive[0], "recv_offsets": receive[1],
             "mine": mine, "buffer_fill": fill, "packed": packed}

@@ -28,22 +28,25 @@ from megatron_ext.kernels.row_span import copy_row_span
 @dataclass(frozen=True)
 class RowPlace:
     """Where a buffer's rows live in an arena: rows [rows_total, 2F], the layer's region start and
-    length P (host ints), and the arena row of buffer row P (a device int64 scalar)."""
+    length P (host ints); buffer row P lives at arena row spill_offset + spill (a host int plus a
+    device int64 scalar: the shared area's first row and the layer's spill start in it)."""
 
     rows: torch.Tensor
     region_start: int
     region: int
     spill: torch.Tensor
+    spill_offset: int = 0
 
 
 @triton.jit
-def _arena_row(row, region_start, region, spill_ptr):
+def _arena_row(row, region_start, region, spill_ptr, spill_offset):
     """The arena row of buffer row `row` (RowPlace)."""
-    return tl.where(row < region, region_start + row, tl.load(spill_ptr) + row - region).to(tl.int64)
+    return tl.where(row < region, region_start + row, spill_offset + tl.load(spill_ptr) + row - region).to(tl.int64)
 
 
 @triton.jit
 def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, place_ptr, region_start, region, spill_ptr,
+                       spill_offset,
                        HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr, READ_PLACE: tl.constexpr,
                        SAVE_PLACE: tl.constexpr):
     row = tl.program_id(0)
@@ -53,12 +56,12 @@ def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, place_ptr, region
     mask = cols < F
     base = row.to(tl.int64) * 2 * F
     if READ_PLACE:
-        base = _arena_row(row, region_start, region, spill_ptr) * 2 * F
+        base = _arena_row(row, region_start, region, spill_ptr, spill_offset) * 2 * F
         h_ptr = place_ptr
     gate = tl.load(h_ptr + base + cols, mask=mask, other=0.0)
     up = tl.load(h_ptr + base + F + cols, mask=mask, other=0.0)
     if SAVE_PLACE:
-        kept = _arena_row(row, region_start, region, spill_ptr) * 2 * F
+        kept = _arena_row(row, region_start, region, spill_ptr, spill_offset) * 2 * F
         tl.store(place_ptr + kept + cols, gate, mask=mask)
         tl.store(place_ptr + kept + F + cols, up, mask=mask)
     gate = gate.to(tl.float32)
@@ -71,7 +74,8 @@ def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, place_ptr, region
 
 @triton.jit
 def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, valid_ptr, F, region_start, region,
-                       spill_ptr, HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr, READ_PLACE: tl.constexpr):
+                       spill_ptr, spill_offset, HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr,
+                       READ_PLACE: tl.constexpr):
     # One program per row (loops over F) so the prob gradient is a plain per-row dot product.
     row = tl.program_id(0)
     if row >= tl.load(valid_ptr):
@@ -79,7 +83,7 @@ def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, val
     base = row.to(tl.int64) * 2 * F
     h_base = base
     if READ_PLACE:
-        h_base = _arena_row(row, region_start, region, spill_ptr) * 2 * F
+        h_base = _arena_row(row, region_start, region, spill_ptr, spill_offset) * 2 * F
     prob = 1.0
     if HAS_PROB:
         prob = tl.load(prob_ptr + row).to(tl.float32)
@@ -135,8 +139,8 @@ def _backward_torch(grad, h, prob, valid_rows):
 
 def _place_args(place: RowPlace | None, like: torch.Tensor) -> tuple:
     if place is None:
-        return like, 0, 0, like
-    return place.rows, place.region_start, place.region, place.spill
+        return like, 0, 0, like, 0
+    return place.rows, place.region_start, place.region, place.spill, place.spill_offset
 
 
 def swiglu_forward(h: torch.Tensor | None, valid_rows: torch.Tensor, prob: torch.Tensor | None,
@@ -161,10 +165,11 @@ def swiglu_forward(h: torch.Tensor | None, valid_rows: torch.Tensor, prob: torch
         raise ValueError(f"swiglu_forward: out must be a contiguous [{rows}, {F}] {source.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
     block = _block_f(F)
-    place, region_start, region, spill = _place_args(save_to or read_from, source)
+    place, region_start, region, spill, spill_offset = _place_args(save_to or read_from, source)
     _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](
         source, prob if prob is not None else source, out, valid_rows, F, place, region_start, region, spill,
-        HAS_PROB=prob is not None, BLOCK_F=block, READ_PLACE=read_from is not None, SAVE_PLACE=save_to is not None)
+        spill_offset, HAS_PROB=prob is not None, BLOCK_F=block, READ_PLACE=read_from is not None,
+        SAVE_PLACE=save_to is not None)
     return out
 
 
@@ -180,10 +185,10 @@ def swiglu_backward(grad: torch.Tensor, h: torch.Tensor | None, prob: torch.Tens
     rows, two_f = grad.shape[0], source.shape[1]
     grad_h = torch.empty(rows, two_f, dtype=source.dtype, device=source.device)
     grad_prob = torch.zeros_like(prob) if prob is not None else None
-    _, region_start, region, spill = _place_args(read_from, source)
+    _, region_start, region, spill, spill_offset = _place_args(read_from, source)
     _swiglu_bwd_kernel[(rows,)](grad, source, prob if prob is not None else source, grad_h,
                                 grad_prob if grad_prob is not None else source, valid_rows, two_f // 2,
-                                region_start, region, spill, HAS_PROB=prob is not None,
+                                region_start, region, spill, spill_offset, HAS_PROB=prob is not None,
                                 BLOCK_F=min(1024, _block_f(two_f // 2)), READ_PLACE=read_from is not None)
     return grad_h, grad_prob
 

@@ -91,11 +91,17 @@ class _Slot:
     the activations only without moe_act recompute), the spill cursor."""
 
     rows: SymmetricBuffer
-    cursor: torch.Tensor  # [M] int64, shared-area rows spilled so far at each destination
+    cursors: torch.Tensor  # [N + 1, M] int64: row i, shared-area rows spilled at each destination before layer i
+    starts: torch.Tensor  # [N] int64: layer i's spill start in this rank's shared area
     fc1: torch.Tensor | None = None
     act: torch.Tensor | None = None
     busy: bool = False
-    views: dict = field(default_factory=dict)
+    views: dict = field(default_factory=dict)  # layer index -> its SymmetricBuffer view of `rows`
+    act_views: dict = field(default_factory=dict)  # layer index -> its [C, F] view of `act`
+    spills: dict = field(default_factory=dict)  # (layer index, act kept) -> kernels/arena_spill.SpillArrays
+
+    def __post_init__(self):  # views made once: indexing is a host call per use
+        self.cursor_rows, self.start_views = self.cursors.unbind(0), self.starts.unbind(0)
 
 
 class RowArena:
@@ -142,7 +148,8 @@ class RowArena:
                 rows = SymmetricBuffer(local, _address_table(local), values=values, values_table=_address_table(values))
             else:
                 rows = rows_with_values(heap, self.layout.rows, width, dtype, device, return_ids=return_ids)
-            self.slots.append(_Slot(rows, torch.zeros(world, dtype=torch.int64, device=device)))
+            self.slots.append(_Slot(rows, torch.zeros(self.layers + 1, world, dtype=torch.int64, device=device),
+                                    torch.zeros(self.layers, dtype=torch.int64, device=device)))
 
     def open(self) -> _Slot:
         free = [slot for slot in self.slots if not slot.busy]
@@ -152,7 +159,7 @@ class RowArena:
                                f"(MoEExtConfig.lease_slots) to the number of microbatches in flight")
         slot = self.current = free[0]
         slot.busy = True
-        slot.cursor.zero_()
+        slot.cursor_rows[0].zero_()
         if self.poison:  # unwritten rows must never be read; fenced before peers PUT
             poison_then_fence(slot.rows)
         return slot
@@ -165,6 +172,40 @@ class RowArena:
                 for local in (slot.fc1, slot.act):
                     if local is not None:
                         local.fill_(float("nan"))
+
+
+@dataclass(frozen=True)
+class ArenaCursor:
+    """A layer forward's place in its microbatch's spill cursor: what its keep plan reads (the
+    rows each destination can take) and moves (every destination's spill, this rank's start).
+    The fused route kernel does both in its launch (kernels/route_plan.py, ARENA); `capacities`
+    and `advance` are the torch form around moe/route_map.route. The cursor before and after a
+    layer are different rows of one array, so no reader of one sees the other's writes."""
+
+    before: torch.Tensor  # [M] int64, shared-area rows spilled at each destination before this layer
+    after: torch.Tensor  # [M] int64, the same after it (written by the plan)
+    start: torch.Tensor  # [] int64, this layer's spill start in this rank's shared area (written by the plan)
+    region: int  # P
+    shared: int  # S
+    run_on: int  # rows past P a layer may take at most: P before the last layer, S for it
+    spills: bool  # rows past P move to the shared area (every layer but the last)
+    rank: int
+    world: int
+
+    def capacities(self) -> torch.Tensor:
+        """[M] rows each destination can take: P plus what is left of the run-on room and the area."""
+        return (self.shared - self.before).clamp_(max=self.run_on).add_(self.region)
+
+    def advance(self, kept_per_expert: torch.Tensor) -> None:
+        """After the plan: the cursor moved by every destination's rows past P (from the kept rows
+        per expert, [E], identical on every rank), and this rank's spill start."""
+        if not self.spills:  # the last layer's run-on grows up from the area's start and stays
+            self.after.copy_(self.before)
+            self.start.zero_()
+            return
+        received = kept_per_expert.view(self.world, -1).sum(1, dtype=torch.int64)
+        torch.add(self.before, (received - self.region).clamp_(min=0), out=self.after)
+        self.start.copy_(self.shared - self.after[self.rank])
 
 
 def _address_table(tensor: torch.Tensor) -> torch.Tensor:
@@ -188,33 +229,25 @@ class ArenaLayer:
     def capacity(self) -> int:
         return self.layout.view_rows(self.index)
 
-    def begin_forward(self) -> torch.Tensor:
-        """This forward's [M] rows each destination can take (device); layer 0 opens a slot first."""
+    def begin_forward(self) -> "ArenaCursor":
+        """This forward's place in the cursor (no device work); layer 0 opens a slot first."""
         arena = self.arena
         if self.index == 0:
             arena.open()
-        if arena.current is None or not arena.current.busy:
+        slot, layout = arena.current, self.layout
+        if slot is None or not slot.busy:
             raise RuntimeError(f"MoE layer {self.index} of the arena ran before layer 0 opened it for this "
                                f"microbatch: the arena's layers must run in their model order")
         # Whether a backward will follow, read here: the transport leases inside the dispatch node's
         # forward, where autograd has turned gradients off.
         self.forward_only = not torch.is_grad_enabled()
-        room = self.layout.shared - arena.current.cursor
-        if not self.layout.is_last(self.index):
-            room = room.clamp(max=self.layout.region)
-        return room + self.layout.region
+        return ArenaCursor(slot.cursor_rows[self.index], slot.cursor_rows[self.index + 1],
+                           slot.start_views[self.index], layout.region, layout.shared, self.layout.run_on(self.index),
+                           not layout.is_last(self.index), arena.rank, arena.world)
 
-    def advance(self, kept_per_expert: torch.Tensor) -> "ArenaRows":
-        """After the keep plan: where this layer's rows past P live from now on, and the cursor moved
-        by every destination's spill (from the kept rows per expert, [E], identical on every rank)."""
-        slot, layout = self.arena.current, self.layout
-        received = kept_per_expert.long().view(self.arena.world, -1).sum(1)
-        if layout.is_last(self.index):
-            start = torch.zeros((), dtype=torch.int64, device=received.device)
-        else:
-            slot.cursor += (received - layout.region).clamp(min=0)
-            start = layout.shared - slot.cursor[self.arena.rank]
-        return ArenaRows(self, slot, start)
+    def rows(self, cursor: "ArenaCursor") -> ArenaRows:
+        """After the keep plan moved `cursor`: where this layer's rows past P live from now on."""
+        return ArenaRows(self, self.arena.current, cursor.start)
 
     def lease(self) -> "ArenaLease":
         """The transport's slot: this layer's view of the open microbatch's rows."""

@@ -2,14 +2,14 @@
 what the experts call to keep their inputs, fc1's output and the activation there and to read
 them back.
 
-A non-last layer's token rows past its region P (and their probabilities, and with
-return_transfer="put" their return ids) are spilled to the shared area after fc1's GEMM read them
-and restored before the experts' backward; fc1's rows are kept in the local fc1 arena, written by
-the SwiGLU kernel as it reads them on GPUs (`fc1_place`) or copied on CPU (`keep_fc1`,
-`restore_fc1`). Unless Megatron's moe_act recompute is on, the activation is written straight
-into the local activation arena's view of the layer (`act_view`: its region, running on as the
-token rows do), its rows past P spilled after fc2's GEMM read them (`keep_act`) and restored
-before fc2's backward (`restore_act`). Every span is a device-sized `copy_row_span`.
+fc1's rows are kept in the local fc1 arena, written by the SwiGLU kernel as it reads them on GPUs
+(`fc1_place`: rows past P go straight to where the layer's spill goes) or copied on CPU
+(`keep_fc1`, `restore_fc1`). Unless Megatron's moe_act recompute is on, the activation is written
+straight into the local activation arena's view of the layer (`act_view`: its region, running on
+as the token rows do). After the experts' forward a non-last layer's token rows past its region P,
+their probabilities, their return ids (return_transfer="put") and its activation rows past P
+move to the shared area in one launch (`spill`, kernels/arena_spill.py) and come back before the
+experts' backward (`restore`). Every span is device-sized: no host read.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.kernels.arena_spill import SpillArrays, move_spill
 from megatron_ext.kernels.row_span import copy_row_span
 from megatron_ext.kernels.swiglu import RowPlace
 
@@ -29,28 +30,32 @@ class ArenaRows:
     layer: object  # moe/arena.ArenaLayer
     slot: object  # its microbatch's storage (moe/arena._Slot)
     start: torch.Tensor  # [] int64, the shared-area row of this layer's row P
-    _fc1_spill: torch.Tensor | None = None  # [] int64, the fc1 arena's row of this layer's row P
 
-    def keep_inputs(self, valid_rows: torch.Tensor) -> None:
-        """After the experts' first read: a non-last layer's rows past P (and their probabilities)
-        move to the shared area before the next layer's dispatch reuses region i+1."""
-        if self.layer.layout.is_last(self.layer.index):
-            return
-        view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
-        copy_row_span(view.local[region:], rows.local[shared], valid_rows - region, dst_start=self.start,
-                      values=(view.values[region:], rows.values[shared]))
-        if rows.return_ids is not None:  # return_transfer="put": the dispatch backward sends these rows back
-            copy_row_span(view.return_ids[region:], rows.return_ids[shared], valid_rows - region, dst_start=self.start)
+    def spill(self, valid_rows: torch.Tensor) -> None:
+        """After the experts' forward (fc1 read the rows, fc2 the activation): a non-last layer's
+        rows past P, their probabilities, return ids (return_transfer="put") and kept activations
+        move to the shared area, before the next layer's dispatch and experts reuse region i+1."""
+        if not self.layer.layout.is_last(self.layer.index):
+            move_spill(self._spill_arrays(), valid_rows, self.region, self.start)
 
-    def restore_inputs(self, valid_rows: torch.Tensor) -> None:
-        """Before the experts' backward: the spilled rows and probabilities back after row P."""
-        if self.layer.layout.is_last(self.layer.index):
-            return
-        view, rows, region, shared = self.slot.views[self.layer.index], self.slot.rows, self.region, self.shared
-        copy_row_span(rows.local[shared], view.local[region:], valid_rows - region, src_start=self.start,
-                      values=(rows.values[shared], view.values[region:]))
-        if rows.return_ids is not None:
-            copy_row_span(rows.return_ids[shared], view.return_ids[region:], valid_rows - region, src_start=self.start)
+    def restore(self, valid_rows: torch.Tensor) -> None:
+        """Before the experts' backward (after layer i+1's, the last reader of region i+1): what
+        `spill` moved, back after row P."""
+        if not self.layer.layout.is_last(self.layer.index):
+            move_spill(self._spill_arrays(), valid_rows, self.region, self.start, restore=True)
+
+    def _spill_arrays(self) -> SpillArrays:
+        """This layer's views and the shared area's rows, built once per slot and layer."""
+        slot, index = self.slot, self.layer.index
+        key = (index, slot.act is not None)
+        if key not in slot.spills:
+            view, rows, shared = slot.views[index], slot.rows, self.shared
+            act = None if slot.act is None else self.act_view(slot.act.shape[1], slot.act.dtype)
+            ids = rows.return_ids is not None  # return_transfer="put": the dispatch backward sends these rows back
+            slot.spills[key] = SpillArrays(view.local, rows.local[shared], view.values, rows.values[shared],
+                                           view.return_ids if ids else None, rows.return_ids[shared] if ids else None,
+                                           act, None if act is None else slot.act[shared])
+        return slot.spills[key]
 
     def _local_arena(self, kind: str, width: int, dtype: torch.dtype) -> torch.Tensor:
         """The slot's local arena of `kind` ("fc1" or "act"; allocated at the experts' first forward
@@ -68,27 +73,11 @@ class ArenaRows:
     def act_view(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """This layer's [C, F] activation rows in the activation arena: its region, then the run-on
         (region i+1, or the shared area's start for the last layer), as the token rows' view."""
-        start = self.layer.index * self.region
-        return self._local_arena("act", width, dtype)[start:start + self.layer.capacity]
-
-    def keep_act(self, valid_rows: torch.Tensor) -> None:
-        """After fc2's forward GEMM read the activation: a non-last layer's rows past P to the
-        activation arena's shared area (where its token rows spill), before the next layer writes
-        its own activation over region i+1."""
-        if self.layer.layout.is_last(self.layer.index):
-            return
-        act, region = self.slot.act, self.region
-        view = self.act_view(act.shape[1], act.dtype)
-        copy_row_span(view[region:], act[self.shared], valid_rows - region, dst_start=self.start)
-
-    def restore_act(self, valid_rows: torch.Tensor) -> torch.Tensor:
-        """Before fc2's backward GEMMs (after layer i+1's backward, the last reader of region i+1):
-        the spilled activation rows back after row P; returns the layer's view."""
-        act, region = self.slot.act, self.region
-        view = self.act_view(act.shape[1], act.dtype)
-        if not self.layer.layout.is_last(self.layer.index):
-            copy_row_span(act[self.shared], view[region:], valid_rows - region, src_start=self.start)
-        return view
+        slot, index = self.slot, self.layer.index
+        if index not in slot.act_views:
+            start = index * self.region
+            slot.act_views[index] = self._local_arena("act", width, dtype)[start:start + self.layer.capacity]
+        return slot.act_views[index]
 
     def keep_fc1(self, fc1_out: torch.Tensor, valid_rows: torch.Tensor) -> None:
         """fc1's output [C, F'] -> the local fc1 arena (same layout as the rows): rows below P to
@@ -103,11 +92,9 @@ class ArenaRows:
     def fc1_place(self, width: int, dtype: torch.dtype) -> RowPlace:
         """Where this layer's fc1 rows live in the fc1 arena, for the SwiGLU kernels to write and read
         in place (CUDA; kernels/swiglu.py)."""
-        slot, layout = self.slot, self.layer.layout
-        self._local_arena("fc1", width, dtype)
-        if self._fc1_spill is None:
-            self._fc1_spill = self.start + layout.layers * layout.region
-        return RowPlace(slot.fc1, self.layer.index * self.region, self.region, self._fc1_spill)
+        layout = self.layer.layout
+        fc1 = self._local_arena("fc1", width, dtype)
+        return RowPlace(fc1, self.layer.index * self.region, self.region, self.start, layout.layers * layout.region)
 
     def restore_fc1(self, valid_rows: torch.Tensor) -> torch.Tensor:
         """A fresh [C, F'] fc1 output, valid below the layer's received rows."""

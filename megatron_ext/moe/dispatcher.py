@@ -109,19 +109,20 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
         gather_counts = getattr(self.transport, "gather_counts", None)
-        dest_capacity = None
-        if self.arena_layer is not None:  # the plan's capacities come from the microbatch's arena
-            dest_capacity = self.arena_layer.begin_forward()
-        if self.selection is not None:
+        # With the arena the plan's capacities come from the microbatch's cursor, which the plan moves.
+        cursor = self.arena_layer.begin_forward() if self.arena_layer is not None else None
+        if self.selection is not None:  # the fused kernel reads and moves the cursor in its launch
             self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
                                                 need_row_source=getattr(self.transport, "reads_row_source", True),
-                                                dest_capacity=dest_capacity)
+                                                arena=cursor)
             self.selection = None
         else:
-            self.route_map = route(self.top_idx, self.num_experts, self.capacity, group,
-                                   gather_counts=gather_counts, probs=probs, dest_capacity=dest_capacity)
-        if self.arena_layer is not None:
-            self.arena_rows = self.arena_layer.advance(self.route_map.metrics.kept_per_expert)
+            self.route_map = route(self.top_idx, self.num_experts, self.capacity, group, gather_counts=gather_counts,
+                                   probs=probs, dest_capacity=None if cursor is None else cursor.capacities())
+            if cursor is not None:
+                cursor.advance(self.route_map.metrics.kept_per_expert)
+        if cursor is not None:
+            self.arena_rows = self.arena_layer.rows(cursor)
         if self.ext_config.debug_checks:  # host reads: debug only
             check_route_map(self.route_map, self.top_idx, self.num_experts, self.capacity, self.ep_size)
         if self.ext_config.mxfp8_dispatch:

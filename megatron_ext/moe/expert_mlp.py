@@ -35,7 +35,6 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             # soon as its last reader has run: peak memory as in torch's own three-node backward.
             ctx.intermediates = [fc1_out, None if recompute_activation else act]
         else:  # moe/arena.py: the rows, fc1's output and (kept) the activation live in the arena
-            arena.keep_inputs(valid_rows)
             ctx.keeps_act = not recompute_activation
             act_rows = arena.act_view(fc1_out.shape[1] // 2, fc1_out.dtype) if ctx.keeps_act else None
             if fc1_out.is_cuda:  # the SwiGLU kernel stores fc1's rows in the arena as it reads them
@@ -49,8 +48,8 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             ctx.intermediates = [None, None]
             del fc1_out
         out = torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
-        if arena is not None and ctx.keeps_act:  # after fc2 read it: rows past P leave region i+1 to the next layer
-            arena.keep_act(valid_rows)
+        if arena is not None:  # fc1 read the rows, fc2 the activation: rows past P leave region i+1
+            arena.spill(valid_rows)
         return out
 
     @staticmethod
@@ -66,9 +65,9 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
         else:
             (fc1_weight, fc2_weight, offsets), (hidden, probs) = ctx.saved_tensors, ctx.arena_inputs
-            ctx.arena.restore_inputs(offsets[-1])
+            ctx.arena.restore(offsets[-1])
             if ctx.keeps_act:
-                act = ctx.arena.restore_act(offsets[-1])
+                act = ctx.arena.act_view(fc2_weight.shape[2], fc2_weight.dtype)
             if hidden.is_cuda:  # the SwiGLU kernels read fc1's rows where the forward kept them
                 place = ctx.arena.fc1_place(fc1_weight.shape[1], fc1_weight.dtype)
             else:

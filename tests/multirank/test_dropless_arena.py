@@ -7,13 +7,15 @@ routing and with every layer spilling; the arena holds fewer rows than the worst
 budget routes are dropped and counted, or the check raises with on_overflow="error".
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.moe.arena import ArenaLayout, arena_layout, attach_arenas
-from megatron_ext.moe.arena_rows import ArenaRows
+from megatron_ext.moe import arena_rows
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.specs import moe_builder
@@ -47,7 +49,9 @@ def _step(layers, x, g):
 def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop", poison=False,
                 recompute=False, act_spill=True):
     if not act_spill:  # a mutation (this forked rank only): the activation's rows past P stay in region i+1
-        ArenaRows.keep_act = lambda self, valid_rows: None
+        move = arena_rows.move_spill
+        arena_rows.move_spill = lambda arrays, *args, **kwargs: move(
+            dataclasses.replace(arrays, view_act=None, shared_act=None), *args, **kwargs)
     x, g = rank_tokens(rank, TOKENS, HIDDEN)
     x = x + skew  # with the router's skew: most tokens send one route to expert 0
     arena_stack = _stack(world, skew, recompute, dropless_arena=True, capacity_factor=capacity_factor,
@@ -103,7 +107,7 @@ def test_poisoned_arena_changes_nothing(recompute):
 
 
 def test_the_activation_spill_is_what_keeps_it():
-    # The mutation: without keep_act, a spilling layer's activation rows past P are overwritten by
+    # The mutation: the spill leaves the activation out, so a spilling layer's rows past P are overwritten by
     # the next layer's activation and its fc2 weight gradient reads poison or stale rows.
     results = run_on_ranks(_arena_rank, 2, 0.25, 1.5, 0.75, "drop", True, False, False, sizes=ParallelSizes(ep=2))
     assert any(not all(result["equal"]) for result in results), "the activation's spill is not checked"

@@ -7,7 +7,7 @@ Run in a fresh process with TRITON_INTERPRET=1 (tests/unit/test_symm_ordering.py
 Threads act as EP ranks over megatron_ext.testing.threaded_peers with the real SymmRowTransport
 of each of LAYERS MoE layers sharing one RowArena per rank (moe/arena.py): the layers' PUTs land
 in the arena's region views, a stand-in expert (x -> 2 p x on the valid rows) reads its rows,
-spills its rows past P (ArenaRows.keep_inputs) and hands its output to the combine, whose
+spills its rows past P (ArenaRows.spill) and hands its output to the combine, whose
 barrier orders the spill before any peer's PUT of the next layer into region i+1. The backward
 runs the layers in reverse and restores each layer's spill before its "experts" read the rows.
 Checked per rank, layer, microbatch and step: output, token and probability gradients, and the
@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from megatron_ext.moe import arena_rows
+from megatron_ext.kernels import arena_spill
 from megatron_ext.moe.arena import ArenaLayer, RowArena
 from megatron_ext.moe.route_map import route
 from megatron_ext.moe.transport import put_return, symm
@@ -84,13 +84,14 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
         saved, pending = [], None
         for index, (layer, transport) in enumerate(zip(layers, transports)):
             top_idx, tokens, probs, _ = layer_inputs(world, step, mb, index, rank)
-            capacities = layer.begin_forward()
+            cursor = layer.begin_forward()
             rmap = route(top_idx, EXPERTS_PER_RANK * world, layer.capacity, gather_counts=transport.gather_counts,
-                         ep_rank=rank, dest_capacity=capacities)
-            rows_at = layer.advance(rmap.metrics.kept_per_expert)
+                         ep_rank=rank, dest_capacity=cursor.capacities())
+            cursor.advance(rmap.metrics.kept_per_expert)
+            rows_at = layer.rows(cursor)
             slot, slot_probs, lease = transport.dispatch(tokens, probs, rmap)
             if pending is not None:  # --spill-deferred: the previous layer's spill, after this dispatch
-                pending[0].keep_inputs(pending[1])
+                pending[0].spill(pending[1])
                 pending = None
             valid_rows = rmap.recv_offsets[-1]
             valid = (torch.arange(layer.capacity) < valid_rows)[:, None]
@@ -98,7 +99,7 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
             out_rows = torch.where(valid, 2 * slot_probs[:, None] * slot, 0.0)  # the "experts" read their rows
             wait()
             if spill == "in order":
-                rows_at.keep_inputs(valid_rows)
+                rows_at.spill(valid_rows)
             elif spill == "deferred":
                 pending = (rows_at, valid_rows)
             out = transport.combine(out_rows, rmap)
@@ -115,7 +116,7 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
             weight = (kept * probs).sum(1, keepdim=True)
             grad_rows = transport.combine_backward(grad_out, rmap)
             wait()
-            rows_at.restore_inputs(valid_rows)
+            rows_at.restore(valid_rows)
             spilled += max(int(valid_rows) - arena.layout.region, 0) * (index < LAYERS - 1)
             grad_slot = torch.where(valid, 2 * slot_probs[:, None] * grad_rows, 0.0)
             grad_slot_probs = torch.where(valid[:, 0], 2 * (grad_rows * slot).sum(1), 0.0)
@@ -162,11 +163,11 @@ def main() -> int:
                         help="with --return-put, spill everything but the return ids (must fail)")
     args = parser.parse_args()
     if args.no_id_spill:
-        copy = arena_rows.copy_row_span
+        copy = arena_spill.copy_row_span
 
         def copy_all_but_ids(src, dst, *rest, **options):
             return dst if src.dtype == torch.int32 else copy(src, dst, *rest, **options)
-        arena_rows.copy_row_span = copy_all_but_ids
+        arena_spill.copy_row_span = copy_all_but_ids
     spill = "deferred" if args.spill_deferred else "never" if args.no_spill else "in order"
     outcomes = [(name, *run_case(name, spill, args.return_put)) for name in args.case or CASES]
     failed = [report_case(name, failures, f"rows spilled {spilled}") for name, failures, spilled in outcomes]

@@ -72,6 +72,46 @@ def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed,
     print(f"ok {case} dropped={int(want.metrics.dropped_routes)}")
 
 
+def check_arena_case(num_tokens, num_experts, topk, world, rank, skew, seed, spills: bool) -> None:
+    """The dropless arena's cursor (moe/arena.ArenaCursor): the fused kernel plans with the
+    capacities it reads from the cursor and writes the cursor after the layer and this rank's
+    spill start, equal to the torch form (capacities, route, advance)."""
+    from megatron_ext.moe import fused_routes
+    from megatron_ext.moe.arena import ArenaCursor
+    from megatron_ext.moe.dispatcher import routing_map_to_topk
+    from megatron_ext.moe.route_map import count_routes, route
+
+    routing_map, probs = routing(num_tokens, num_experts, topk, skew, seed)
+    top_idx = routing_map_to_topk(routing_map, topk)
+    table = others_counts(count_routes(top_idx, num_experts), world, rank, seed + 1)
+    gather = lambda counts: table  # noqa: E731 - the exchange is made up here
+    balanced = num_tokens * topk
+    region, shared = balanced // 2, balanced  # loads above P; some destinations' areas nearly spent
+    run_on = region if spills else shared
+    before = torch.arange(world, dtype=torch.int64) * (shared // world) % (shared + 1)
+    cursors = [ArenaCursor(before.clone(), torch.full((world,), -7, dtype=torch.int64),
+                           torch.tensor(-7, dtype=torch.int64), region, shared, run_on, spills, rank, world)
+               for _ in range(2)]
+    capacity = region + run_on
+    torch_form, fused = cursors
+    want = route(top_idx, num_experts, capacity, gather_counts=gather, ep_rank=rank,
+                 dest_capacity=torch_form.capacities())
+    torch_form.advance(want.metrics.kept_per_expert)
+    _, _, selection = fused_routes.select(routing_map, probs.detach(), topk)
+    got = fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank, arena=fused)
+    case = f"arena T={num_tokens} E={num_experts} K={topk} M={world} rank={rank} skew={skew} spills={spills}"
+    for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.long(), b.long()), f"{case}: {name} differs:\n{a}\n{b}"
+    assert torch.equal(got.metrics.packed, want.metrics.packed), f"{case}: packed metrics differ"
+    assert torch.equal(fused.before, before), f"{case}: the cursor before the layer was written"
+    assert torch.equal(fused.after, torch_form.after), f"{case}: cursor after {fused.after} vs {torch_form.after}"
+    assert torch.equal(fused.start, torch_form.start), f"{case}: start {fused.start} vs {torch_form.start}"
+    moved = bool((torch_form.after > before).any())
+    assert moved == spills, f"{case}: a case that {'should' if spills else 'should not'} move the cursor"
+    print(f"ok {case} dropped={int(want.metrics.dropped_routes)} after={torch_form.after.tolist()}")
+
+
 def check_short_token() -> None:
     """A token with fewer than K experts selected: its empty slots are -1 and counted as dropped."""
     from megatron_ext.moe import fused_routes
@@ -104,6 +144,9 @@ def main() -> int:
         check_case(*case, seed=10 * seed)
     for seed, case in enumerate(cases[2:6]):  # capacities per destination, below and above the loads
         check_case(*case, seed=10 * seed + 5, per_dest=True)
+    for seed, case in enumerate(cases[2:6]):  # the dropless arena's cursor, before and at the last layer
+        for spills in (True, False):
+            check_arena_case(*case[:5], skew=case[6], seed=10 * seed + 7, spills=spills)
     check_short_token()
     print("all route-plan checks passed")
     return 0

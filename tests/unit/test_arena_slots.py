@@ -34,16 +34,20 @@ def test_replays_open_and_free_the_slot_of_their_graph_slot():
 def test_a_later_layers_warm_up_and_capture_leave_the_live_microbatch_as_it_was():
     arena, (first, later, _) = _arena()
     arena_slots.acquire(first, 0)  # microbatch 0 is live, layer 0 ran
-    arena.slots[0].cursor.copy_(torch.tensor([5, 7]))
+    live = arena.slots[0]
+    live.cursors[1].copy_(torch.tensor([5, 7]))  # layer 0 spilled
+    live.starts[0] = 4
     with arena_slots.arena_untouched(later):
-        later.begin_forward()  # an eager warm-up step moves the cursor
-        arena.slots[0].cursor += 3
+        cursor = later.begin_forward()  # an eager warm-up step moves the cursor and its start
+        cursor.advance(torch.tensor([20, 20, 0, 0], dtype=torch.int32))  # 40 rows to rank 0, 8 past P
+        assert live.cursors[2].tolist() == [13, 7] and int(live.starts[1]) == arena.layout.shared - 13
         with arena_slots.capturing_slot(later, 1):  # graph slot 1 is captured against arena slot 1
             assert arena.current is arena.slots[1] and arena.slots[1].busy
             later.begin_forward()
         assert arena.current is arena.slots[0] and not arena.slots[1].busy
     assert arena.current is arena.slots[0] and arena.slots[0].busy and not arena.slots[1].busy
-    assert arena.slots[0].cursor.tolist() == [5, 7]
+    assert live.cursors[1].tolist() == [5, 7] and live.cursors[2].tolist() == [0, 0]
+    assert live.starts.tolist() == [4, 0, 0]
 
 
 def test_the_first_layer_captures_its_slots_in_order():

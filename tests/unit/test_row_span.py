@@ -33,3 +33,9 @@ def test_span_equals_a_loop(count, src_start, dst_start, width):
 def test_refuses_mismatched_rows():
     with pytest.raises(ValueError, match="one width and dtype"):
         copy_row_span(torch.zeros(4, 3), torch.zeros(4, 2), 1)
+
+
+def test_arena_spill_kernel_and_torch_form_equal_a_loop():
+    from tests.unit.interpreter import run_under_interpreter
+
+    assert "64 cases, 0 failures" in run_under_interpreter("_arena_spill_interp.py")

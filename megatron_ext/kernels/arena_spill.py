@@ -1,0 +1,120 @@
+"""A dropless-arena layer's spill and restore in one launch (moe/arena.py, docs/design.md "Dropless arena").
+
+A non-last layer's rows past its region P live in region i+1 until its experts have read them;
+then the token rows, their probabilities, their return ids (return_transfer="put") and the kept
+activations move to the shared area at the layer's spill start, and come back before the
+experts' backward. `move_spill(arrays, valid_rows, region, start, restore)`: for 0 <= j <
+valid_rows - region, view row P + j <-> shared row start + j of every array, where valid_rows and
+start are device scalars (no host read).
+
+Cost removed against one `copy_row_span` per array: three or four launches and their argument
+tensors (count = valid_rows - P, the starts) per direction, on the host of every eager layer
+step. Cost accepted: one program per row of the run-on room (host bound), most of which return
+at once; a row outside either buffer is never touched (a backstop: the arena's plan keeps every
+span inside). On CPU the torch form runs `copy_row_span` per array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ext.kernels.row_span import copy_row_span
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch form serves
+    triton = None
+
+
+@dataclass(frozen=True)
+class SpillArrays:
+    """A layer's view arrays (row 0 = the layer's row 0) and the shared area's (row 0 = its first
+    row): token rows [N, H], probabilities [N] fp32, optionally return ids [N] int32 and
+    activations [N, F] (one dtype with the rows)."""
+
+    view_rows: torch.Tensor
+    shared_rows: torch.Tensor
+    view_values: torch.Tensor
+    shared_values: torch.Tensor
+    view_ids: torch.Tensor | None = None
+    shared_ids: torch.Tensor | None = None
+    view_act: torch.Tensor | None = None
+    shared_act: torch.Tensor | None = None
+
+
+if triton is not None:
+    @triton.jit
+    def _copy_row(src_ptr, dst_ptr, src_row, dst_row, W: tl.constexpr, BLOCK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        for c0 in range(0, W, BLOCK):
+            col = c0 + cols
+            inside = col < W
+            tl.store(dst_ptr + dst_row * W + col, tl.load(src_ptr + src_row * W + col, mask=inside), mask=inside)
+
+    @triton.jit
+    def _spill_kernel(view_ptr, shared_ptr, view_val_ptr, shared_val_ptr, view_id_ptr, shared_id_ptr, view_act_ptr,
+                      shared_act_ptr, valid_ptr, start_ptr, region, view_rows, shared_rows, H: tl.constexpr,
+                      F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, HAS_IDS: tl.constexpr,
+                      HAS_ACT: tl.constexpr, RESTORE: tl.constexpr):
+        j = tl.program_id(0).to(tl.int64)  # the layer's row P + j
+        view_row = region + j
+        shared_row = tl.load(start_ptr).to(tl.int64) + j
+        inside = (j < tl.load(valid_ptr).to(tl.int64) - region) & (view_row < view_rows) & (shared_row >= 0) & (
+            shared_row < shared_rows)
+        if inside:
+            if RESTORE:
+                _copy_row(shared_ptr, view_ptr, shared_row, view_row, H, BLOCK_H)
+                tl.store(view_val_ptr + view_row, tl.load(shared_val_ptr + shared_row))
+                if HAS_IDS:
+                    tl.store(view_id_ptr + view_row, tl.load(shared_id_ptr + shared_row))
+                if HAS_ACT:
+                    _copy_row(shared_act_ptr, view_act_ptr, shared_row, view_row, F, BLOCK_F)
+            else:
+                _copy_row(view_ptr, shared_ptr, view_row, shared_row, H, BLOCK_H)
+                tl.store(shared_val_ptr + shared_row, tl.load(view_val_ptr + view_row))
+                if HAS_IDS:
+                    tl.store(shared_id_ptr + shared_row, tl.load(view_id_ptr + view_row))
+                if HAS_ACT:
+                    _copy_row(view_act_ptr, shared_act_ptr, view_row, shared_row, F, BLOCK_F)
+
+
+def _block(width: int) -> int:
+    return min(triton.next_power_of_2(width), 2048)
+
+
+def launch_spill(a: SpillArrays, valid_rows: torch.Tensor, region: int, start: torch.Tensor, restore: bool) -> None:
+    """The Triton kernel (CUDA; any device under Triton's interpreter, as tests/unit does)."""
+    width, act_width = a.view_rows.shape[1], 1 if a.view_act is None else a.view_act.shape[1]
+    _spill_kernel[(a.view_rows.shape[0] - region,)](
+        a.view_rows, a.shared_rows, a.view_values, a.shared_values,
+        a.view_values if a.view_ids is None else a.view_ids, a.shared_values if a.shared_ids is None else a.shared_ids,
+        a.view_rows if a.view_act is None else a.view_act, a.shared_rows if a.shared_act is None else a.shared_act,
+        valid_rows, start, region, a.view_rows.shape[0], a.shared_rows.shape[0], H=width, F=act_width,
+        BLOCK_H=_block(width), BLOCK_F=_block(act_width), HAS_IDS=a.view_ids is not None,
+        HAS_ACT=a.view_act is not None, RESTORE=restore, num_warps=4 if width >= 512 else 1)
+
+
+def move_spill(arrays: SpillArrays, valid_rows: torch.Tensor, region: int, start: torch.Tensor,
+               restore: bool = False) -> None:
+    """Spill (view -> shared) or restore (shared -> view) rows P .. valid_rows - 1 of every array
+    (module docstring); `valid_rows` and `start` are device scalars."""
+    a = arrays
+    run_on = a.view_rows.shape[0] - region
+    if run_on <= 0 or a.shared_rows.shape[0] == 0:
+        return
+    if a.view_rows.is_cuda and triton is not None:
+        launch_spill(a, valid_rows, region, start, restore)
+        return
+    count = valid_rows - region
+    pairs = [(a.view_rows, a.shared_rows), (a.view_values, a.shared_values), (a.view_ids, a.shared_ids),
+             (a.view_act, a.shared_act)]
+    for view, shared in pairs:
+        if view is None:
+            continue
+        if restore:
+            copy_row_span(shared, view[region:], count, src_start=start)
+        else:
+            copy_row_span(view[region:], shared, count, dst_start=start)
