@@ -55,30 +55,25 @@ if triton is not None:
             tl.store(dst_ptr + dst_row * W + col, tl.load(src_ptr + src_row * W + col, mask=inside), mask=inside)
 
     @triton.jit
-    def _spill_kernel(view_ptr, shared_ptr, view_val_ptr, shared_val_ptr, view_id_ptr, shared_id_ptr, view_act_ptr,
-                      shared_act_ptr, valid_ptr, start_ptr, region, view_rows, shared_rows, H: tl.constexpr,
-                      F: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, HAS_IDS: tl.constexpr,
-                      HAS_ACT: tl.constexpr, RESTORE: tl.constexpr):
+    def _spill_kernel(src_ptr, dst_ptr, src_val_ptr, dst_val_ptr, src_id_ptr, dst_id_ptr, src_act_ptr, dst_act_ptr,
+                      valid_ptr, start_ptr, region, view_rows, shared_rows, H: tl.constexpr, F: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ACT: tl.constexpr,
+                      RESTORE: tl.constexpr):
+        """src -> dst: the view's arrays -> the shared area's, or (RESTORE) the other way."""
         j = tl.program_id(0).to(tl.int64)  # the layer's row P + j
         view_row = region + j
         shared_row = tl.load(start_ptr).to(tl.int64) + j
         inside = (j < tl.load(valid_ptr).to(tl.int64) - region) & (view_row < view_rows) & (shared_row >= 0) & (
             shared_row < shared_rows)
+        src_row = shared_row if RESTORE else view_row
+        dst_row = view_row if RESTORE else shared_row
         if inside:
-            if RESTORE:
-                _copy_row(shared_ptr, view_ptr, shared_row, view_row, H, BLOCK_H)
-                tl.store(view_val_ptr + view_row, tl.load(shared_val_ptr + shared_row))
-                if HAS_IDS:
-                    tl.store(view_id_ptr + view_row, tl.load(shared_id_ptr + shared_row))
-                if HAS_ACT:
-                    _copy_row(shared_act_ptr, view_act_ptr, shared_row, view_row, F, BLOCK_F)
-            else:
-                _copy_row(view_ptr, shared_ptr, view_row, shared_row, H, BLOCK_H)
-                tl.store(shared_val_ptr + shared_row, tl.load(view_val_ptr + view_row))
-                if HAS_IDS:
-                    tl.store(shared_id_ptr + shared_row, tl.load(view_id_ptr + view_row))
-                if HAS_ACT:
-                    _copy_row(view_act_ptr, shared_act_ptr, view_row, shared_row, F, BLOCK_F)
+            _copy_row(src_ptr, dst_ptr, src_row, dst_row, H, BLOCK_H)
+            tl.store(dst_val_ptr + dst_row, tl.load(src_val_ptr + src_row))
+            if HAS_IDS:
+                tl.store(dst_id_ptr + dst_row, tl.load(src_id_ptr + src_row))
+            if HAS_ACT:
+                _copy_row(src_act_ptr, dst_act_ptr, src_row, dst_row, F, BLOCK_F)
 
 
 def _block(width: int) -> int:
@@ -88,11 +83,12 @@ def _block(width: int) -> int:
 def launch_spill(a: SpillArrays, valid_rows: torch.Tensor, region: int, start: torch.Tensor, restore: bool) -> None:
     """The Triton kernel (CUDA; any device under Triton's interpreter, as tests/unit does)."""
     width, act_width = a.view_rows.shape[1], 1 if a.view_act is None else a.view_act.shape[1]
+    pairs = [(a.view_rows, a.shared_rows), (a.view_values, a.shared_values),
+             (a.view_ids, a.shared_ids) if a.view_ids is not None else (a.view_values, a.shared_values),
+             (a.view_act, a.shared_act) if a.view_act is not None else (a.view_rows, a.shared_rows)]
+    pointers = [array for pair in pairs for array in (pair[::-1] if restore else pair)]
     _spill_kernel[(a.view_rows.shape[0] - region,)](
-        a.view_rows, a.shared_rows, a.view_values, a.shared_values,
-        a.view_values if a.view_ids is None else a.view_ids, a.shared_values if a.shared_ids is None else a.shared_ids,
-        a.view_rows if a.view_act is None else a.view_act, a.shared_rows if a.shared_act is None else a.shared_act,
-        valid_rows, start, region, a.view_rows.shape[0], a.shared_rows.shape[0], H=width, F=act_width,
+        *pointers, valid_rows, start, region, a.view_rows.shape[0], a.shared_rows.shape[0], H=width, F=act_width,
         BLOCK_H=_block(width), BLOCK_F=_block(act_width), HAS_IDS=a.view_ids is not None,
         HAS_ACT=a.view_act is not None, RESTORE=restore, num_warps=4 if width >= 512 else 1)
 
