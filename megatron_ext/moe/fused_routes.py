@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.moe.route_map import (RouteMap, RouteMetrics, check_plan, exchange_counts, rows_by_source,
-                                        unpack_metrics)
+from megatron_ext.moe.route_map import RouteMap, RouteMetrics, check_plan, exchange_counts, rows_by_source
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,5 @@ def route(selection: Selection, topk: int, capacity: int, group=None, gather_cou
     out = plan_and_place(selection.routing_map, selection.block_hist, selection.nonfinite, requested_all, topk,
                          capacity, ep_rank, dest_capacity, arena)
     row_source = rows_by_source(out["mine"], capacity) if need_row_source else None
-    totals = unpack_metrics(out["packed"])  # views: the layer accumulates `packed` in one add
-    metrics = RouteMetrics(totals["requested"], totals["kept"], totals["dropped"], out["buffer_fill"],
-                           totals["nonfinite"], out["packed"])
+    metrics = RouteMetrics(out["packed"], out["buffer_fill"])
     return RouteMap(out["dest_rank"], out["dest_row"], out["recv_counts"], out["recv_offsets"], row_source, metrics)

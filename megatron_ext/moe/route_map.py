@@ -26,16 +26,38 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class RouteMetrics:
-    """Device-resident counters; read them on the host only at a metrics interval."""
+    """Device-resident counters; read them on the host only at a metrics interval.
 
-    requested_per_expert: torch.Tensor  # [E] int32, routes to each global expert, all sources
-    kept_per_expert: torch.Tensor  # [E] int32, of those, routes kept under the capacity
-    dropped_routes: torch.Tensor  # [] int32, this rank's routes dropped or with an invalid id
-    buffer_fill: torch.Tensor  # [] fp32, valid rows in this rank's dispatch buffer / capacity
-    nonfinite_routes: torch.Tensor  # [] int32, this rank's routes whose router probability is NaN/Inf
-    # [2E + 4] int32: requested [E], kept [E], dropped, received rows, non-finite, 1 (one step): what
-    # the layer accumulates, in one add (the other fields are views of it on GPUs)
+    `packed` [2E + 4] int32: requested [E], kept [E], dropped, received rows, non-finite, 1 (one
+    step), what the layer accumulates in one add; the named counters are views of it, made when
+    read (most steps read none: no host call spent on them)."""
+
     packed: torch.Tensor
+    buffer_fill: torch.Tensor  # [] fp32, valid rows in this rank's dispatch buffer / capacity
+
+    @property
+    def num_experts(self) -> int:
+        return (self.packed.shape[0] - 4) // 2
+
+    @property
+    def requested_per_expert(self) -> torch.Tensor:
+        """[E] int32, routes to each global expert, all sources."""
+        return self.packed[:self.num_experts]
+
+    @property
+    def kept_per_expert(self) -> torch.Tensor:
+        """[E] int32, of those, routes kept under the capacity."""
+        return self.packed[self.num_experts:2 * self.num_experts]
+
+    @property
+    def dropped_routes(self) -> torch.Tensor:
+        """[] int32, this rank's routes dropped or with an invalid id."""
+        return self.packed[2 * self.num_experts]
+
+    @property
+    def nonfinite_routes(self) -> torch.Tensor:
+        """[] int32, this rank's routes whose router probability is NaN/Inf."""
+        return self.packed[2 * self.num_experts + 2]
 
 
 def pack_metrics(requested, kept, dropped, received, nonfinite) -> torch.Tensor:
@@ -207,10 +229,8 @@ def build_route_map(top_idx: torch.Tensor, requested_all: torch.Tensor, keep: to
     # route, as in Megatron's layer; counted here (and in the fused select kernel on GPUs).
     nonfinite = (torch.zeros((), dtype=torch.int32, device=device) if probs is None
                  else (~torch.isfinite(probs)).sum().int())
-    metrics = RouteMetrics(requested_per_expert=requested, kept_per_expert=kept_per_expert.int(),
-                           dropped_routes=dropped, buffer_fill=received.float() / max(capacity, 1),
-                           nonfinite_routes=nonfinite,
-                           packed=pack_metrics(requested, kept_per_expert, dropped, received, nonfinite))
+    metrics = RouteMetrics(pack_metrics(requested, kept_per_expert, dropped, received, nonfinite),
+                           buffer_fill=received.float() / max(capacity, 1))
     return RouteMap(dest_rank=dest_rank, dest_row=dest_row, recv_counts=recv_counts.int(),
                     recv_offsets=recv_offsets.int(), row_source=row_source, metrics=metrics)
 
