@@ -123,7 +123,7 @@ def graph_runner_clash(settings, ext) -> list[str]:
     if ext_value("dropless_arena") and recompute:
         problems.append(f"{recompute[0]} with --moe-ext-dropless-arena: the recomputed layers would run out of "
                         f"their model order, which the arena's regions follow; drop one (--recompute-modules moe_act "
-                        f"is what the arena runs anyway)")
+                        f"recomputes inside each layer and works with the arena)")
     graph_flag = _megatron_graph_flag(settings)
     if ext_value("dropless_arena") and graph_flag:
         problems.append(f"{graph_flag} with --moe-ext-dropless-arena: CUDA graphs are not built for the arena yet")

@@ -44,6 +44,21 @@ class SpillArrays:
     view_act: torch.Tensor | None = None
     shared_act: torch.Tensor | None = None
 
+    def __post_init__(self):  # once per slot and layer: the kernel indexes rows without bounds per array
+        pairs = {"rows": (self.view_rows, self.shared_rows), "values": (self.view_values, self.shared_values),
+                 "return ids": (self.view_ids, self.shared_ids), "activations": (self.view_act, self.shared_act)}
+        views, shared = len(self.view_rows), len(self.shared_rows)
+        for name, (view, area) in pairs.items():
+            if (view is None) != (area is None):
+                raise ValueError(f"SpillArrays: {name} given for only one of the view and the shared area")
+            if view is None:
+                continue
+            if len(view) != views or len(area) != shared:
+                raise ValueError(f"SpillArrays: {name} have {len(view)} view and {len(area)} shared rows, the "
+                                 f"token rows {views} and {shared}: every array must be laid out as the token rows")
+            if not (view.is_contiguous() and area.is_contiguous()):
+                raise ValueError(f"SpillArrays: the {name} arrays must be contiguous (the kernel indexes rows)")
+
 
 if triton is not None:
     @triton.jit

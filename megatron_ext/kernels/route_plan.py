@@ -243,6 +243,9 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
     rows per (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed).
     `dest_capacity` [M] (device): rows each destination may keep (at most `capacity`).
     `arena` (moe/arena.ArenaCursor): the capacities come from its cursor, which the launch moves."""
+    if arena is not None and dest_capacity is not None:
+        raise ValueError("plan_and_place: give the arena's cursor or dest_capacity, not both (the cursor's "
+                         "capacities replace dest_capacity)")
     num_tokens, num_experts = routing_map.shape
     m = requested_all.shape[0]
     local = num_experts // m
@@ -252,7 +255,9 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
     dest, packed, receive, mine = ints.split([2 * num_tokens * topk, 2 * num_experts + 4, 2 * local, local * m])
     dest, receive, mine = dest.view(2, num_tokens, topk), receive.view(2, local), mine.view(local, m)
     fill = torch.empty((), dtype=torch.float32, device=device)
-    _route_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
+    # At least one program: program 0 writes the plan, the metrics and the arena's cursor even for a
+    # rank with no tokens (its peers still send it rows, and every rank must move the same cursor).
+    _route_kernel[(max(1, triton.cdiv(num_tokens, BLOCK_TOKENS)),)](
         routing_map.contiguous(), hist, requested_all.contiguous(), nonfinite, dest[0], dest[1], packed, receive[0],
         receive[1], fill, mine, fill if dest_capacity is None else dest_capacity.long().contiguous(), capacity,
         ep_rank, m, num_tokens, num_experts, local,

@@ -150,20 +150,20 @@ def swiglu_forward(h: torch.Tensor | None, valid_rows: torch.Tensor, prob: torch
     CUDA only: `save_to` also stores h's rows at that place; `read_from` reads them there instead
     of from `h` (None; `rows` then gives the buffer's rows).
     `out` ([rows, F], contiguous): written in place, rows < valid_rows only (CPU too), and returned."""
+    source = h if read_from is None else read_from.rows
+    rows = h.shape[0] if read_from is None else rows
+    F = source.shape[1] // 2
+    if out is not None and (out.shape != (rows, F) or out.dtype != source.dtype or not out.is_contiguous()):
+        raise ValueError(f"swiglu_forward: out must be a contiguous [{rows}, {F}] {source.dtype} tensor, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     if read_from is None and not h.is_cuda:
         act = _forward_torch(h, prob, valid_rows)
         if out is None:
             return act
         copy_row_span(act, out, valid_rows)
         return out
-    source = h if read_from is None else read_from.rows
-    rows = h.shape[0] if read_from is None else rows
-    F = source.shape[1] // 2
     if out is None:
         out = torch.empty(rows, F, dtype=source.dtype, device=source.device)
-    elif out.shape != (rows, F) or out.dtype != source.dtype or not out.is_contiguous():
-        raise ValueError(f"swiglu_forward: out must be a contiguous [{rows}, {F}] {source.dtype} tensor, "
-                         f"got {tuple(out.shape)} {out.dtype}")
     block = _block_f(F)
     place, region_start, region, spill, spill_offset = _place_args(save_to or read_from, source)
     _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](

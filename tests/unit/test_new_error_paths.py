@@ -107,3 +107,35 @@ def test_put_return_for_a_route_map_never_dispatched_says_why():
         transport.combine(torch.zeros(16, 8), undispatched)
     with pytest.raises(RuntimeError, match="dispatch backward for a route map this transport never dispatched"):
         transport.dispatch_backward(torch.zeros(16, 8), torch.zeros(16), undispatched)
+
+
+def test_spill_arrays_not_laid_out_as_the_rows_are_refused():
+    from megatron_ext.kernels.arena_spill import SpillArrays
+
+    rows, values = torch.zeros(10, 4), torch.zeros(10)
+    with pytest.raises(ValueError, match="activations have 9 view and 6 shared rows"):
+        SpillArrays(rows, rows[:6], values, values[:6], view_act=torch.zeros(9, 2), shared_act=torch.zeros(6, 2))
+    with pytest.raises(ValueError, match="return ids given for only one"):
+        SpillArrays(rows, rows[:6], values, values[:6], view_ids=torch.zeros(10, dtype=torch.int32))
+    with pytest.raises(ValueError, match="values arrays must be contiguous"):
+        SpillArrays(rows, rows[:6], torch.zeros(10, 2)[:, 0], values[:6])
+    SpillArrays(rows, rows[:6], values, values[:6])  # laid out as the rows: accepted
+
+
+def test_swiglu_out_of_another_shape_is_refused_on_cpu_too():
+    from megatron_ext.kernels.swiglu import swiglu_forward
+
+    h, valid = torch.randn(5, 8), torch.tensor(5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[5, 4\]"):
+        swiglu_forward(h, valid, None, out=torch.empty(4, 4))
+    out = torch.full((5, 4), float("nan"))
+    assert swiglu_forward(h, valid, None, out=out) is out and torch.isfinite(out).all()
+
+
+def test_route_plan_takes_the_arena_cursor_or_capacities_not_both():
+    from megatron_ext.kernels.route_plan import plan_and_place
+
+    with pytest.raises(ValueError, match="the arena's cursor or dest_capacity, not both"):
+        plan_and_place(torch.zeros(4, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.int32),
+                       torch.zeros((), dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32), 1, 8, 0,
+                       dest_capacity=torch.ones(1, dtype=torch.int64), arena=object())
