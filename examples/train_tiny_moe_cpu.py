@@ -22,7 +22,8 @@ from megatron_ext.quiet import quiet_known_warnings  # noqa: E402
 quiet_known_warnings()
 from megatron_ext._cpu import apply_cpu_shims  # noqa: E402
 from megatron_ext.config import MoEExtConfig  # noqa: E402
-from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks  # noqa: E402
+from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks  # noqa: E402
+from megatron_ext.moe.overflow import CapacityExceeded  # noqa: E402
 from megatron_ext.tiny_gpt import TinyGPTConfig, train  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def parse_args():
     layer.add_argument("--dropless", action="store_true", help="size the capacity for the worst case: no route dropped")
     layer.add_argument("--dropless-arena", action="store_true",
                        help="one budget of --capacity-factor x tokens x top-k rows per layer, shared by the MoE "
-                            "layers of a microbatch (moe/arena.py); an overflow is counted")
+                            "layers of a microbatch (moe/arena.py); an overflow stops training with a message")
     layer.add_argument("--megatron-baseline", action="store_true", help="Megatron's alltoall MoE layer instead")
     parser.add_argument("--log-format", choices=("default", "megatron"), default="default",
                         help="megatron: Megatron's per-iteration log lines (lm loss: %%.6E), for functional tests")
@@ -79,14 +80,22 @@ def main():
     args = parse_args()
     apply_cpu_shims()
     log = print_step if args.log_format == "default" else functools.partial(print_step_megatron, args.steps, args.ranks)
-    ext = None if args.megatron_baseline else MoEExtConfig(transport="torch", capacity_factor=args.capacity_factor,
-                                                           dropless=args.dropless, dropless_arena=args.dropless_arena)
+    # The arena's regions are at most its budget: below a factor of 1 each layer's region is the budget.
+    ext = None if args.megatron_baseline else MoEExtConfig(
+        transport="torch", capacity_factor=args.capacity_factor, dropless=args.dropless,
+        dropless_arena=args.dropless_arena, arena_region_factor=min(1.0, args.capacity_factor))
     sizing = "dropless" if args.dropless else f"cf {args.capacity_factor}"
     sizing += ", dropless arena" if args.dropless_arena else ""
     what = "Megatron alltoall MoELayer" if ext is None else f"megatron_ext RowwiseMoELayer (torch transport, {sizing})"
     print(f"tiny GPT-MoE, {args.ranks} CPU ranks, EP={args.ranks}, {what}", flush=True)
-    records = run_on_ranks(train, args.ranks, TinyGPTConfig(), ext, args.steps, log,
-                           sizes=ParallelSizes(ep=args.ranks), timeout=1800)[0]
+    try:
+        records = run_on_ranks(train, args.ranks, TinyGPTConfig(), ext, args.steps, log,
+                               sizes=ParallelSizes(ep=args.ranks), timeout=1800)[0]
+    except RankFailure as failure:  # the arena's overflow: its message, not every rank's traceback
+        overflow = [line for line in str(failure).splitlines() if line.startswith(CapacityExceeded.__module__)]
+        if not overflow:
+            raise
+        raise SystemExit(f"training stopped: {overflow[-1].split(': ', 1)[1]}") from None
     tail = records[-3:]
     first, last = records[0]["loss"], sum(r["loss"] for r in tail) / len(tail)
     print(f"loss {first:.4f} -> {last:.4f} (mean of last {len(tail)} steps)", flush=True)

@@ -23,8 +23,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from megatron_ext.config import DISPATCHERS, RETURN_TRANSFERS, TRANSPORTS, MoEExtConfig
-from megatron_ext.rules import ExpertSettings, expert_problems, graph_runner_clash, moe_problems, rowwise_problems
+from megatron_ext.config import DISPATCHERS, OVERFLOW_POLICIES, RETURN_TRANSFERS, TRANSPORTS, MoEExtConfig
+from megatron_ext.rules import (ExpertSettings, arena_args_problems, expert_problems, graph_runner_clash, moe_problems,
+                                rowwise_problems)
 
 GROUP_TITLE = "megatron_ext MoE"
 DEST_PREFIX = "moe_ext_"
@@ -77,10 +78,11 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "--moe-expert-capacity-factor)."),
     ExtFlag("dropless", "--moe-ext-dropless", "on",
             help="Size the capacity for the worst case (EP * T_max * top_k): nothing is ever dropped."),
-    ExtFlag("on_overflow", "--moe-ext-on-overflow", "value", type=str, choices=("drop", "error"),
+    ExtFlag("on_overflow", "--moe-ext-on-overflow", "value", type=str, choices=OVERFLOW_POLICIES,
             help="Routes beyond the capacity: drop (fair policy, counted in the metrics) or error (bounded "
                  "dropless: capacity from --moe-ext-capacity-factor, no route dropped silently; an overflow stops "
-                 "training at the next logging interval with the layer, the count and what to raise)."),
+                 "training at the next logging interval with the layer, the count and what to raise). auto: error "
+                 "with --moe-ext-dropless-arena, drop otherwise."),
     ExtFlag("dropless_arena", "--moe-ext-dropless-arena", "on",
             help="Bounded dropless with one budget for the MoE layers of a microbatch (regions and spill): "
                  "--moe-ext-capacity-factor * T_max * top_k rows per layer on average, shared by the layers; "
@@ -246,6 +248,8 @@ def _expert_conflicts(args) -> list[str]:
         problems += [f"--num-experts {args.num_experts} with megatron_ext's grouped experts (--moe-ext-dispatcher "
                      f"rowwise): {problem}; or use --moe-ext-dispatcher megatron (Megatron's own experts)"
                      for problem in expert_problems(settings)]
+    if getattr(args, "moe_ext_dropless_arena", False):
+        problems += arena_args_problems(args)
     if getattr(args, "transformer_impl", None) == "transformer_engine" and getattr(args, "spec", None) is None \
             and importlib.util.find_spec("transformer_engine") is None:
         problems.append("--transformer-impl transformer_engine (Megatron's default) without Transformer Engine "

@@ -10,9 +10,13 @@ import math
 from dataclasses import dataclass, fields
 
 DISPATCHERS = ("rowwise", "megatron")
-OVERFLOW_POLICIES = ("drop", "error")
+OVERFLOW_POLICIES = ("auto", "drop", "error")
 TRANSPORTS = ("auto", "torch", "symm", "deepep")
 RETURN_TRANSFERS = ("get", "put")
+# What only the rowwise dispatcher reads: a changed value under dispatcher="megatron" is refused,
+# not ignored (the fields with their own message there are checked first).
+ROWWISE_ONLY = ("capacity_factor", "dropless", "arena_region_factor", "max_tokens_per_rank", "metrics_interval",
+                "debug_poison", "lease_slots", "fused_route_map", "fused_router", "peer_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,9 @@ class MoEExtConfig:
         the metrics count them. "error": bounded dropless: C stays cf * T_max * K (no worst-case
         buffers), no route may be dropped, and an overflow stops training with a clear error at
         the next check (`RowwiseMoELayer.check_overflow`, run by megatron_ext.training_hooks
-        every logging interval: one host read, never per layer).
+        every logging interval: one host read, never per layer; a training loop of your own calls
+        it). "auto" (default): "error" with dropless_arena (a dropless mode never drops silently),
+        "drop" otherwise; `overflow_policy` is the policy in force.
     dropless_arena: bounded dropless with one budget for the MoE layers of a microbatch
         (moe/arena.py, "regions and spill"): capacity_factor * T_max * K rows per layer on average,
         shared by the layers (a layer may take more where another takes less); routes beyond the
@@ -77,7 +83,7 @@ class MoEExtConfig:
     return_transfer: str = "get"
     capacity_factor: float = 1.25
     dropless: bool = False
-    on_overflow: str = "drop"
+    on_overflow: str = "auto"
     dropless_arena: bool = False
     arena_region_factor: float = 1.0
     max_tokens_per_rank: int | None = None
@@ -124,6 +130,8 @@ class MoEExtConfig:
         if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"capacity_factor must be > 0 and finite, got {self.capacity_factor}; "
                              f"use e.g. 1.25, or dropless=True to never drop routes")
+        if not (self.arena_region_factor > 0 and math.isfinite(self.arena_region_factor)):
+            raise ValueError(f"arena_region_factor must be > 0 and finite, got {self.arena_region_factor}")
         if self.dropless_arena:
             self._check_arena()
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
@@ -146,13 +154,25 @@ class MoEExtConfig:
                 raise ValueError("pin_host_threads applies to the rowwise layer (dispatcher='rowwise'), whose "
                                  "forward and backward pin their threads; dispatcher='megatron' builds "
                                  "Megatron's MoELayer")
-            if self.on_overflow != "drop":
+            if self.on_overflow == "error":
                 raise ValueError("on_overflow applies to dispatcher='rowwise' (Megatron's dispatchers are dropless "
                                  "or drop by their own settings)")
             if self.transport != "auto":
                 raise ValueError(f"transport={self.transport!r} only applies to dispatcher='rowwise'; "
                                  f"dispatcher='megatron' moves tokens with Megatron's moe_token_dispatcher_type "
                                  f"(leave transport='auto')")
+            changed = [f.name for f in fields(self) if f.name in ROWWISE_ONLY and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} only apply to dispatcher='rowwise' (dispatcher='megatron' "
+                                 f"sizes, routes and moves tokens by Megatron's own --moe-* settings and would "
+                                 f"ignore them): leave them at their defaults or use dispatcher='rowwise'")
+
+    @property
+    def overflow_policy(self) -> str:
+        """The policy in force: on_overflow, with "auto" resolved ("error" with the dropless arena)."""
+        if self.on_overflow == "auto":
+            return "error" if self.dropless_arena else "drop"
+        return self.on_overflow
 
     def _check_arena(self) -> None:
         if self.dropless:

@@ -127,6 +127,8 @@ def graph_runner_clash(settings, ext) -> list[str]:
     graph_flag = _megatron_graph_flag(settings)
     if ext_value("dropless_arena") and graph_flag:
         problems.append(f"{graph_flag} with --moe-ext-dropless-arena: CUDA graphs are not built for the arena yet")
+    if ext_value("cuda_graphs"):
+        problems += _nccl_in_graph("--moe-ext-cuda-graphs", settings, ext_value("transport"))
     if not graph_flag:
         return problems
     if ext_value("cuda_graphs"):
@@ -135,13 +137,17 @@ def graph_runner_clash(settings, ext) -> list[str]:
     if ext_value("debug_checks"):
         problems.append(f"{graph_flag} with --moe-ext-debug-checks: the checks read device values on the host, "
                         f"which a CUDA-graph capture cannot contain; drop one")
+    return problems + _nccl_in_graph(graph_flag, settings, ext_value("transport"))
+
+
+def _nccl_in_graph(graph_flag: str, settings, transport: str) -> list[str]:
+    """A graph of the MoE layer with a transport that runs NCCL inside it, at EP > 1."""
     ep = getattr(settings, "expert_model_parallel_size", 1) or 1
-    if ep > 1 and ext_value("transport") in ("torch", "deepep"):
-        problems.append(f"{graph_flag} with --moe-ext-transport {ext_value('transport')} at "
-                        f"--expert-model-parallel-size {ep}: that transport runs NCCL collectives inside the layer, "
-                        f"and a graph holding them keeps destroy_process_group from returning; use "
-                        f"--moe-ext-transport symm")
-    return problems
+    if ep > 1 and transport in ("torch", "deepep"):
+        return [f"{graph_flag} with --moe-ext-transport {transport} at --expert-model-parallel-size {ep}: that "
+                f"transport runs NCCL collectives inside the layer, and a graph holding them keeps "
+                f"destroy_process_group from returning; use --moe-ext-transport symm"]
+    return []
 
 
 def megatron_graph_problems(settings) -> list[str]:
@@ -284,6 +290,24 @@ def moe_problems(settings: ExpertSettings) -> list[str]:
             problems.append(f"moe_router_topk={settings.topk} (--moe-router-topk {settings.topk}) exceeds "
                             f"num_moe_experts={settings.num_experts} (--num-experts {settings.num_experts}); choose "
                             f"top-k <= the number of experts")
+    return problems
+
+
+# Why grouped experts cannot keep their rows in a dropless arena (moe/experts.arena_problems, the launcher).
+ARENA_NEEDS_FAST_PATH = ("the dropless arena runs SwiGLU experts without biases whose sizes are multiples of 16 "
+                         "bytes (the grouped experts' fast path): use --swiglu --disable-bias-linear, or drop "
+                         "--moe-ext-dropless-arena")
+ARENA_PROBS_ON_INPUT = ("moe_apply_probs_on_input (--moe-apply-probs-on-input) scales a copy of the rows, which the "
+                        "dropless arena does not hold: drop one of it and --moe-ext-dropless-arena")
+
+
+def arena_args_problems(args) -> list[str]:
+    """The launcher's early form of the experts' arena check (sizes are left to the layer's)."""
+    problems = []
+    if not getattr(args, "swiglu", False) or getattr(args, "add_bias_linear", True):
+        problems.append(ARENA_NEEDS_FAST_PATH)
+    if getattr(args, "moe_apply_probs_on_input", False):
+        problems.append(ARENA_PROBS_ON_INPUT)
     return problems
 
 

@@ -135,7 +135,27 @@ def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | 
         records.append(record)
         if log is not None and rank == 0:
             log(record)
+        _check_overflow(model)
     return records
+
+
+def _check_overflow(model) -> None:
+    """Bounded dropless (MoEExtConfig.overflow_policy "error"): every rank raises CapacityExceeded
+    together when any rank's layer overflowed (one host read per step; a rank raising alone would
+    leave its peers waiting in the next step's collectives)."""
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    message = None
+    for layer in moe_layers(model):
+        try:
+            if hasattr(layer, "check_overflow"):
+                layer.check_overflow()
+        except CapacityExceeded as error:
+            message = message or str(error)
+    overflowed = torch.tensor([message is not None], dtype=torch.int32)
+    dist.all_reduce(overflowed)
+    if int(overflowed):
+        raise CapacityExceeded(message or "a peer rank's MoE layer overflowed its capacity (its message says more)")
 
 
 def _audit_only_moe(model, audit) -> None:

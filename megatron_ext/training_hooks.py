@@ -45,7 +45,7 @@ def model_modules(model):
 def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: int = 1) -> None:
     """The work due after training iteration `iteration`: metrics and replica checks at their
     intervals; the bounded-dropless overflow check every `log_interval` iterations."""
-    if config.on_overflow == "error" and iteration % max(log_interval, 1) == 0:
+    if config.overflow_policy == "error" and iteration % max(log_interval, 1) == 0:
         for module in model_modules(model):
             if hasattr(module, "check_overflow"):
                 module.check_overflow()
@@ -97,7 +97,7 @@ def install(config: MoEExtConfig) -> bool:
     if getattr(current, "_megatron_ext_config", None) is not None:
         current._megatron_ext_config[0] = config
         return True
-    if not (config.metrics_interval or config.replica_check_interval or config.on_overflow == "error"
+    if not (config.metrics_interval or config.replica_check_interval or config.overflow_policy == "error"
             or config.dropless_arena):
         return False
     check_hook_point()

@@ -39,7 +39,8 @@ from megatron_ext.moe.expert_recompute import activation_then_fc2
 from megatron_ext.moe.expert_rows import RowGroups, row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import payload_fc1
 from megatron_ext.quiet import warn_once
-from megatron_ext.rules import ExpertSettings, expert_problems, moe_problems
+from megatron_ext.rules import (ARENA_NEEDS_FAST_PATH, ARENA_PROBS_ON_INPUT, ExpertSettings, expert_problems,
+                                moe_problems)
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +170,9 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         """Why these experts cannot keep their rows in a dropless arena (moe/arena.py; empty: they can)."""
         problems = []
         if not self.fast_path:
-            problems.append("the dropless arena runs SwiGLU experts without biases whose sizes are multiples of "
-                            "16 bytes (the grouped experts' fast path); these need their general path")
+            problems.append(ARENA_NEEDS_FAST_PATH)
         if self.config.moe_apply_probs_on_input:
-            problems.append("moe_apply_probs_on_input scales a copy of the rows, which the arena does not hold")
+            problems.append(ARENA_PROBS_ON_INPUT)
         return problems
 
     def forward_offsets(self, hidden: torch.Tensor, offsets: torch.Tensor,

@@ -62,7 +62,7 @@ class RowwiseMoELayer(MoELayer):
             self.num_local_experts, self.local_expert_indices, config, ext_config,
             pg_collection=pg_collection)
         self._metrics = None
-        self._overflow = OverflowGuard() if ext_config.on_overflow == "error" else None
+        self._overflow = OverflowGuard() if ext_config.overflow_policy == "error" else None
         self._host_core = host_core() if ext_config.pin_host_threads else None
         self._graph_runner = None
         if ext_config.cuda_graphs:

@@ -61,7 +61,7 @@ def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="
     got = _step(arena_stack, x, g)
     metrics = [layer.read_metrics() for layer in arena_stack]
     error = None
-    if on_overflow == "error":
+    if on_overflow != "drop":  # "error", or "auto" (the arena's default): the check raises
         try:
             for layer in arena_stack:
                 layer.check_overflow()
@@ -122,8 +122,9 @@ def test_skew_needs_the_shared_area_across_layers():
     assert sum(rank0["received"]) > LAYERS * rank0["layout"].region
 
 
-def test_beyond_the_budget_routes_drop_counted_or_raise():
-    results = run_on_ranks(_arena_rank, 2, 0.5, 0.75, 0.5, "error", sizes=ParallelSizes(ep=2))
+@pytest.mark.parametrize("on_overflow", ["error", "auto"])
+def test_beyond_the_budget_routes_are_counted_and_raise(on_overflow):
+    results = run_on_ranks(_arena_rank, 2, 0.5, 0.75, 0.5, on_overflow, sizes=ParallelSizes(ep=2))
     dropped = sum(sum(r["dropped"]) for r in results)
     assert dropped > 0
     errors = [r["error"] for r in results if r["error"] is not None]

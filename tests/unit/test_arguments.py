@@ -34,9 +34,10 @@ def test_defaults_round_trip(megatron_parser):
 
 
 @pytest.mark.parametrize("config", [
-    MoEExtConfig(dispatcher="megatron", capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096,
-                 ddp_buckets=True, metrics_interval=10, debug_poison=True, debug_checks=True, lease_slots=3,
-                 fused_route_map=False, fused_router=False),
+    MoEExtConfig(dispatcher="megatron", ddp_buckets=True, debug_checks=True, replica_check_interval=3),
+    MoEExtConfig(capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096, metrics_interval=10,
+                 debug_poison=True, lease_slots=3, fused_route_map=False, fused_router=False, peer_timeout_s=9.5),
+    MoEExtConfig(dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.75, on_overflow="drop"),
     MoEExtConfig(transport="symm", mxfp8_dispatch=True, cuda_graphs=True, capacity_factor=1.0),
     MoEExtConfig(transport="torch", replica_check_interval=5),
     MoEExtConfig(transport="deepep", max_tokens_per_rank=1),
@@ -125,6 +126,14 @@ def _parse(parser, argv):
     (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-transport", "symm"],
      ["--moe-ext-transport symm", "--moe-ext-dispatcher"]),
     (MOE_MODEL + ["--moe-router-topk", "9"], ["--moe-router-topk 9", "--num-experts 8"]),
+    (MOE_MODEL + ["--moe-ext-cuda-graphs", "--moe-ext-transport", "torch", "--expert-model-parallel-size", "2"],
+     ["--moe-ext-cuda-graphs", "--moe-ext-transport torch", "--moe-ext-transport symm"]),
+    (["--num-experts", "8", "--transformer-impl", "local", "--no-persist-layer-norm", "--moe-ext-dropless-arena"],
+     ["--moe-ext-dropless-arena", "--swiglu --disable-bias-linear"]),
+    (MOE_MODEL + ["--moe-ext-dropless-arena", "--moe-apply-probs-on-input", "--moe-router-topk", "1"],
+     ["--moe-apply-probs-on-input", "--moe-ext-dropless-arena"]),
+    (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-ext-lease-slots", "2"],
+     ["--moe-ext-lease-slots", "--moe-ext-dispatcher rowwise"]),
     (["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local"],
      ["--transformer-impl local", "--no-persist-layer-norm"]),
     (["--num-experts", "8", "--swiglu", "--disable-bias-linear"],  # Megatron's default impl, no TE here

@@ -104,3 +104,26 @@ def test_put_return_refused_where_auto_resolves_to_torch():
 
     with pytest.raises(ValueError, match="resolved to 'torch' here"):
         make_transport(MoEExtConfig(return_transfer="put"), None, 16, torch.device("cpu"))
+
+
+def test_overflow_policy_auto_is_error_with_the_arena_and_drop_otherwise():
+    assert MoEExtConfig().on_overflow == "auto" and MoEExtConfig().overflow_policy == "drop"
+    assert MoEExtConfig(dropless_arena=True).overflow_policy == "error"  # a dropless mode never drops silently
+    assert MoEExtConfig(dropless_arena=True, on_overflow="drop").overflow_policy == "drop"
+    assert MoEExtConfig(on_overflow="error").overflow_policy == "error"
+    assert MoEExtConfig(dropless=True).overflow_policy == "drop"  # worst-case buffers: nothing to overflow
+
+
+@pytest.mark.parametrize("field,value", [("capacity_factor", 2.0), ("dropless", True), ("max_tokens_per_rank", 64),
+                                         ("lease_slots", 2), ("fused_router", False), ("peer_timeout_s", 5.0),
+                                         ("metrics_interval", 10), ("debug_poison", True), ("arena_region_factor", 0.5)])
+def test_rowwise_settings_are_refused_not_ignored_under_megatrons_dispatcher(field, value):
+    MoEExtConfig(**{field: value})  # the rowwise dispatcher takes it
+    with pytest.raises(ValueError, match=rf"{field} only apply to dispatcher='rowwise'"):
+        MoEExtConfig(dispatcher="megatron", **{field: value})
+
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
+def test_arena_region_factor_is_checked_without_the_arena_too(value):
+    with pytest.raises(ValueError, match="arena_region_factor must be > 0 and finite"):
+        MoEExtConfig(arena_region_factor=value)

@@ -32,7 +32,8 @@ def resolve_transport(choice: str, group, device: torch.device) -> str:
                              f"tokens are on {device}. Use --moe-ext-transport torch on CPU.")
         if not group_in_one_host(group):
             raise ValueError("transport='symm' needs the expert-parallel group inside one NVLink domain (one "
-                             "host); this group spans hosts. Use --moe-ext-transport deepep or torch.")
+                             "host); this group spans hosts. Use --moe-ext-transport torch (the deepep transport "
+                             "is intranode only too).")
     if choice == "deepep" and importlib.util.find_spec("deep_ep") is None:
         raise ImportError("transport='deepep' needs the deep_ep package, which has no working PyPI release: "
                           "build DeepEP from source (README, 'DeepEP backend'), or choose --moe-ext-transport "
