@@ -114,9 +114,10 @@ def test_overflow_policy_auto_is_error_with_the_arena_and_drop_otherwise():
     assert MoEExtConfig(dropless=True).overflow_policy == "drop"  # worst-case buffers: nothing to overflow
 
 
-@pytest.mark.parametrize("field,value", [("capacity_factor", 2.0), ("dropless", True), ("max_tokens_per_rank", 64),
-                                         ("lease_slots", 2), ("fused_router", False), ("peer_timeout_s", 5.0),
-                                         ("metrics_interval", 10), ("debug_poison", True), ("arena_region_factor", 0.5)])
+@pytest.mark.parametrize("field,value", [
+    ("capacity_factor", 2.0), ("dropless", True), ("max_tokens_per_rank", 64), ("lease_slots", 2),
+    ("fused_router", False), ("peer_timeout_s", 5.0), ("metrics_interval", 10), ("debug_poison", True),
+    ("arena_region_factor", 0.5)])
 def test_rowwise_settings_are_refused_not_ignored_under_megatrons_dispatcher(field, value):
     MoEExtConfig(**{field: value})  # the rowwise dispatcher takes it
     with pytest.raises(ValueError, match=rf"{field} only apply to dispatcher='rowwise'"):
