@@ -17,37 +17,40 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.moe.route_map import unpack_metrics
+
 
 class CapacityExceeded(RuntimeError):
     """Routes overflowed a bounded-dropless layer's capacity (on_overflow='error')."""
 
 
 class OverflowGuard:
-    """Device-side counters of one layer: routes beyond capacity, largest per-rank demand, forwards."""
+    """Device-side counters of one layer: the route metrics summed over forwards (overflow = routes
+    requested - routes kept, the same on every rank; forwards) and the most rows each rank was
+    asked for. Two in-place updates per forward; the arithmetic waits for `check`."""
 
     def __init__(self):
-        self.overflowed: torch.Tensor | None = None
-        self.peak_demand: torch.Tensor | None = None
-        self.forwards: torch.Tensor | None = None
+        self.sums: torch.Tensor | None = None  # RouteMetrics.packed summed, int64
+        self.peak_demand: torch.Tensor | None = None  # [EP] int64, the most rows each rank was asked for
 
     @torch.no_grad()
     def record(self, metrics, ep_size: int) -> None:
-        requested = metrics.requested_per_expert.long()  # [E], every source rank's routes
-        overflow = requested.sum() - metrics.kept_per_expert.long().sum()
-        demand = requested.view(ep_size, -1).sum(1).max()  # rows the busiest rank was asked for
-        if self.overflowed is None:
-            self.overflowed, self.peak_demand, self.forwards = (torch.zeros_like(overflow) for _ in range(3))
-        self.overflowed.add_(overflow)
+        packed = metrics.packed
+        demand = metrics.requested_per_expert.view(ep_size, -1).sum(1)  # rows each rank was asked for
+        if self.sums is None:
+            self.sums = torch.zeros(packed.shape, dtype=torch.int64, device=packed.device)
+            self.peak_demand = torch.zeros(ep_size, dtype=torch.int64, device=packed.device)
+        self.sums.add_(packed)
         torch.maximum(self.peak_demand, demand, out=self.peak_demand)
-        self.forwards.add_(1)
 
     def check(self, where: str, capacity: int, rows_at_cf_1: int, capacity_factor: float) -> None:
         """Raise CapacityExceeded if any route overflowed since the last check (reads the device)."""
-        if self.overflowed is None:
+        if self.sums is None:
             return
-        overflowed, peak, forwards = (int(t) for t in (self.overflowed, self.peak_demand, self.forwards))
-        for counter in (self.overflowed, self.peak_demand, self.forwards):
-            counter.zero_()
+        totals, peak = unpack_metrics(self.sums.cpu()), int(self.peak_demand.max())
+        overflowed, forwards = int(totals["requested"].sum() - totals["kept"].sum()), int(totals["steps"])
+        self.sums.zero_()
+        self.peak_demand.zero_()
         if overflowed == 0:
             return
         needed = peak / max(rows_at_cf_1, 1)
