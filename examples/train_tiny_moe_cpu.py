@@ -51,8 +51,9 @@ def parse_args():
                         help="training steps, >= 2 (the job checks that the loss falls)")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo); EP equals this, so it must divide "
                                                              "the expert count")
-    parser.add_argument("--capacity-factor", type=float, default=1.25,
-                        help="per-rank dispatch capacity = cf x tokens x top-k rows (rounded up to 16); > 0")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="per-rank dispatch capacity = cf x tokens x top-k rows (rounded up to 16); > 0; "
+                             "default 1.25")
     layer = parser.add_mutually_exclusive_group()
     layer.add_argument("--dropless", action="store_true", help="size the capacity for the worst case: no route dropped")
     layer.add_argument("--dropless-arena", action="store_true",
@@ -70,6 +71,11 @@ def parse_args():
         divisors = ", ".join(str(n) for n in range(1, experts + 1) if experts % n == 0)
         parser.error(f"--ranks must divide the tiny model's {experts} experts (EP equals --ranks), got {args.ranks}; "
                      f"use one of {divisors}")
+    if args.megatron_baseline and args.capacity_factor is not None:
+        parser.error("--capacity-factor sizes megatron_ext's dispatch buffers; --megatron-baseline runs Megatron's "
+                     "dropless alltoall layer, which has none: drop one of them")
+    if args.capacity_factor is None:
+        args.capacity_factor = 1.25
     if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
         parser.error(f"--capacity-factor must be a finite number > 0, got {args.capacity_factor}; "
                      f"use e.g. 1.25, or --dropless to never drop routes")
