@@ -134,6 +134,8 @@ class MoEExtConfig:
             raise ValueError(f"arena_region_factor must be > 0 and finite, got {self.arena_region_factor}")
         if self.dropless_arena:
             self._check_arena()
+        if self.cuda_graphs:
+            self._check_graphs()
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1 (or None), got {self.max_tokens_per_rank}")
         if self.metrics_interval < 0:
@@ -173,6 +175,11 @@ class MoEExtConfig:
         if self.on_overflow == "auto":
             return "error" if self.dropless_arena else "drop"
         return self.on_overflow
+
+    def _check_graphs(self) -> None:
+        if self.debug_checks:
+            raise ValueError("cuda_graphs with debug_checks: the checks read device values on the host, which a CUDA "
+                             "graph capture cannot contain (the layer would run eagerly); drop one")
 
     def _check_arena(self) -> None:
         if self.dropless:

@@ -133,6 +133,8 @@ def prepare_parsed_args(args) -> None:
         for field, why in NOT_WIRED_INTO_MEGATRON_TRAINING.items():
             if getattr(ext_config, field):
                 raise MoEExtArgumentError(why)
+    if getattr(args, "num_experts", None) is None:
+        _refuse_moe_settings_without_experts(ext_config)
     specs.set_default_ext_config(ext_config)
     training_hooks.install(ext_config)  # metrics and replica checks after every train_step, any script
     if getattr(args, "num_experts", None) is None:
@@ -153,6 +155,22 @@ def prepare_parsed_args(args) -> None:
         _resolve_spec(args.spec)
 
 
+# What a model without MoE layers still uses: the replica check compares every parameter.
+DENSE_FIELDS = ("replica_check_interval",)
+
+
+def _refuse_moe_settings_without_experts(ext_config) -> None:
+    """A dense model (no --num-experts) with MoE settings changed: refused, not ignored."""
+    import dataclasses
+
+    changed = [f.name for f in dataclasses.fields(ext_config)
+               if f.name not in DENSE_FIELDS and getattr(ext_config, f.name) != f.default]
+    if changed:
+        flags = ", ".join("--moe-ext-" + name.replace("_", "-") for name in changed)
+        raise MoEExtArgumentError(f"{flags} configure MoE layers, and this model has none (--num-experts is not "
+                                  f"set): set --num-experts for a MoE model, or drop them")
+
+
 def _resolve_spec(spec: list[str]) -> None:
     """Import an explicit megatron_ext spec now: Megatron's import_module turns an ImportError into
     `None`, i.e. a silent fallback to its own MoE layers."""
@@ -160,7 +178,11 @@ def _resolve_spec(spec: list[str]) -> None:
 
     if len(spec) != 2:
         raise MoEExtArgumentError(f"--spec takes a module and a name, e.g. --spec {' '.join(EXT_SPEC)}; got {spec}")
-    module = importlib.import_module(spec[0])
+    try:
+        module = importlib.import_module(spec[0])
+    except ImportError as error:
+        raise MoEExtArgumentError(f"--spec {' '.join(spec)}: cannot import {spec[0]} ({error}); megatron_ext's "
+                                  f"spec is --spec {' '.join(EXT_SPEC)}") from None
     if not callable(getattr(module, spec[1], None)):
         raise MoEExtArgumentError(f"--spec {' '.join(spec)}: {spec[0]} has no spec builder {spec[1]!r}")
 
@@ -231,14 +253,27 @@ def use_prebuilt_dataset_helpers() -> None:
 def run_script(script: str, script_args: list[str]) -> None:
     """Run `script` as __main__ with sys.argv = [script, *script_args] (hook installed first)."""
     if not os.path.isfile(script):
-        raise SystemExit(f"megatron_ext.launch: no such script: {script}\n\n{USAGE}")
+        _usage_error(f"megatron_ext.launch: no such script: {script}\n\n{USAGE}")
     install()
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
     except MoEExtArgumentError as error:
-        raise SystemExit(f"megatron_ext: error: {error}") from None
+        _usage_error(f"megatron_ext: error: {error}")
+    except AssertionError as error:  # Megatron's initialize asserts a GPU (0.19.2: "Megatron requires CUDA.")
+        import torch
+
+        if torch.cuda.is_available() or "CUDA" not in str(error):
+            raise
+        _usage_error(f"megatron_ext: error: megatron.training needs a GPU ({error}); this machine has none. On CPU, "
+                     f"train the tiny MoE model of examples/train_tiny_moe_cpu.py instead")
+
+
+def _usage_error(message: str) -> None:
+    """A user error: one message on stderr, exit code 2 (as argparse's own errors), no traceback."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from megatron_ext import launch, specs
 from megatron_ext.arguments import MoEExtArgumentError
@@ -179,3 +180,51 @@ def test_prebuilt_dataset_helpers_skip_the_make_step():
         dataset_utils.compile_helpers()  # must not run make (which would sys.exit here)
     finally:
         dataset_utils.compile_helpers = original
+
+
+def _launch(tmp_path, body: str, *flags):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run([sys.executable, "-m", "megatron_ext.launch", str(script), *flags],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+PARSE_ONLY = """
+    from megatron.training.arguments import parse_args
+
+    if __name__ == "__main__":
+        parse_args()
+        print("PARSED")
+"""
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-ext-lease-slots", "0"], "--moe-ext-lease-slots must be >= 1"),
+    (["--moe-ext-dropless"], "--moe-ext-dropless configure MoE layers, and this model has none"),
+    (MOE_MODEL + ["--spec", "megatron_ext.no_such_module", "gpt_block_spec"], "cannot import megatron_ext.no_such"),
+], ids=["bad_value", "dense_model", "bad_spec"])
+def test_user_errors_exit_2_with_one_message_and_no_traceback(tmp_path, flags, message):
+    result = _launch(tmp_path, PARSE_ONLY, *flags)
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "PARSED" not in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert message in result.stderr.strip().splitlines()[-1], result.stderr[-3000:]
+
+
+def test_dense_model_keeps_the_replica_check(tmp_path):
+    result = _launch(tmp_path, PARSE_ONLY, "--moe-ext-replica-check-interval", "5")
+    assert result.returncode == 0 and "PARSED" in result.stdout, result.stderr[-3000:]
+
+
+def test_megatron_on_a_machine_without_a_gpu_is_a_usage_error(tmp_path):
+    # Megatron 0.19.2's initialize asserts CUDA; the launcher says what to run instead.
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    body = """
+        if __name__ == "__main__":
+            assert False, "Megatron requires CUDA."
+    """
+    result = _launch(tmp_path, body, *MOE_MODEL)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "megatron.training needs a GPU" in result.stderr and "train_tiny_moe_cpu.py" in result.stderr
+    other = _launch(tmp_path, 'if __name__ == "__main__":\n    assert False, "a bug"\n')
+    assert other.returncode == 1 and "AssertionError: a bug" in other.stderr  # other assertions stay tracebacks
