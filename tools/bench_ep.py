@@ -82,6 +82,7 @@ from megatron_ext.bench.ep_distributed import Ranks, finish_run, gather_to_all, 
 import torch
 import torch.distributed as dist
 
+from megatron_ext.bench.cli_types import non_negative_int, positive_float, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.ep_paths import (EP8_SHAPE, PATHS, TINY_SHAPE, Shape, build_layer, rank_inputs,
                                          routing_digest, unavailable_reason)
@@ -211,13 +212,13 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help=f"smoke-test shape {asdict(TINY_SHAPE)}")
     for name in ("seq_length", "sequences", "experts", "topk", "hidden", "ffn"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override the shape's {name}")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=positive_int, help=f"override the shape's {name}")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--capacity-factor", type=positive_float, default=1.25)
     parser.add_argument("--dropless", action="store_true")
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--iters", type=positive_int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="ep_layer")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR))

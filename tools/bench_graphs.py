@@ -15,6 +15,7 @@ import argparse
 
 import torch
 
+from megatron_ext.bench.cli_types import list_of, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
 from megatron_ext.bench.results import write_result
@@ -97,7 +98,7 @@ def measure_pair(args, weights, tokens: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1024,2048,4096,8192")
+    parser.add_argument("--tokens", type=list_of(positive_int, "token counts"), default=[1024, 2048, 4096, 8192])
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -112,7 +113,7 @@ def main():
     init_single_rank_megatron()
     weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)
     rows = []
-    for tokens in [int(t) for t in args.tokens.split(",")]:
+    for tokens in args.tokens:
         row = measure_pair(args, weights, tokens)
         row["host_reduction"] = row["eager"]["host_submit_ms"] / row["graph"]["host_submit_ms"]
         row["graph_extra_mib"] = (row["graph"]["resident_after_first_step_mib"]

@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from megatron_ext.bench.cli_types import names_from
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
 from megatron_ext.bench.layer_shape import add_layer_shape_args
@@ -184,7 +185,7 @@ def main():
     parser.add_argument("--dropless", action="store_true")
     parser.add_argument("--aux-loss-coeff", type=float, default=0.0,
                         help="Megatron's load-balancing loss (aux_loss) with this coefficient; 0: none")
-    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--paths", type=names_from(PATHS, "paths"), default=",".join(PATHS))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--name", default="moe_layer")

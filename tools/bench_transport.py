@@ -53,6 +53,7 @@ import sys
 from dataclasses import dataclass
 
 # Importing megatron_ext.bench.ep_distributed sets NVLINK_SAFE_ENV (multicast off) before anything initializes NCCL.
+from megatron_ext.bench.cli_types import list_of, names_from, non_negative_int, positive_float, positive_int
 from megatron_ext.bench.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed, median
 
 import torch
@@ -327,14 +328,16 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help=f"smoke-test setup {TINY}")
-    parser.add_argument("--tokens", help="comma-separated token counts per rank (default: the setup's)")
-    parser.add_argument("--experts", type=int)
-    parser.add_argument("--topk", type=int)
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--transports", default="symm,torch", help="comma-separated: symm, torch")
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tokens", type=list_of(positive_int, "token counts"),
+                        help="comma-separated token counts per rank (default: the setup's)")
+    parser.add_argument("--experts", type=positive_int)
+    parser.add_argument("--topk", type=positive_int)
+    parser.add_argument("--hidden", type=positive_int)
+    parser.add_argument("--transports", type=names_from(("symm", "torch"), "transports"), default="symm,torch",
+                        help="comma-separated: symm, torch")
+    parser.add_argument("--capacity-factor", type=positive_float, default=1.25)
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--iters", type=positive_int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="transport")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR))
@@ -343,7 +346,7 @@ def parse_args(argv=None):
 
 def setup_from_args(args) -> Setup:
     base = TINY if args.tiny else FULL
-    return Setup(tokens=[int(t) for t in args.tokens.split(",")] if args.tokens else base.tokens,
+    return Setup(tokens=args.tokens or base.tokens,
                  experts=args.experts or base.experts, topk=args.topk or base.topk, hidden=args.hidden or base.hidden)
 
 

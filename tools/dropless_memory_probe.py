@@ -1,6 +1,6 @@
 """Dispatch-buffer rows of the capacity policies against the rows that actually arrive (CPU ranks).
 
-    python tools/dropless_memory_probe.py [--ep 2,4] [--steps 8] [--capacity-factor 1.25]
+    python tools/dropless_memory_probe.py [--ep 2,4] [--steps 8] [--capacity-factor 1.5]
 
 Trains the tiny GPT-MoE (megatron_ext.tiny_gpt, 4 MoE layers, 8 experts, top-2) on EP forked gloo
 ranks with the bounded-dropless policy (on_overflow="error"), and reports per EP size: the rows
@@ -24,6 +24,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from megatron_ext.bench.cli_types import list_of, positive_float, positive_int
 from megatron_ext.bench.arena_sizing import best_region_spill, one_budget, per_layer_bound, region_spill, shared_area
 from megatron_ext.bench.results import write_result
 from megatron_ext.config import MoEExtConfig
@@ -93,18 +94,27 @@ def summarize(row: dict) -> dict:
             "bounded_over_arrived": bounded / arrived, "worst_case_over_arrived": worst / arrived}
 
 
+def _arena_budget(text: str) -> tuple[float, float]:
+    """--arena-budget CF,RF: two numbers > 0 with the regions inside the budget (RF <= CF)."""
+    values = list_of(positive_float, "CF,RF")(text)
+    if len(values) != 2 or values[1] > values[0]:
+        raise argparse.ArgumentTypeError(f"expected CF,RF: the budget and the region factor, RF <= CF, got {text!r}")
+    return values[0], values[1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ep", default="2,4", help="comma-separated EP sizes (CPU ranks each)")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--capacity-factor", type=float, default=1.5,
+    parser.add_argument("--ep", type=list_of(positive_int, "EP sizes"), default=[2, 4],
+                        help="comma-separated EP sizes (CPU ranks each)")
+    parser.add_argument("--steps", type=positive_int, default=8)
+    parser.add_argument("--capacity-factor", type=positive_float, default=1.5,
                         help="bounded-dropless factor (default 1.5: the tiny model routes unevenly while it learns)")
-    parser.add_argument("--arena-budget", metavar="CF,RF",
+    parser.add_argument("--arena-budget", metavar="CF,RF", type=_arena_budget,
                         help="also train with the dropless arena at this budget and region factor, set ahead "
                              "(not from the demands), e.g. 1.2,0.9")
     parser.add_argument("--results-dir", help="where the JSON goes (default bench/results)")
     args = parser.parse_args(argv)
-    sizes = [int(e) for e in args.ep.split(",")]
+    sizes = args.ep
     if any(MODEL.experts % ep for ep in sizes):
         parser.error(f"every EP size must divide the probe model's {MODEL.experts} experts")
     rows = []
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
                                 row["layers"] * rank_capacity(row["tokens_per_rank"], row["topk"], ep,
                                                               row["factor_needed_per_layer_bound"], False) / together}
         if args.arena_budget:
-            cf, rf = (float(v) for v in args.arena_budget.split(","))
+            cf, rf = args.arena_budget
             ahead = run_on_ranks(_probe_rank, ep, args.steps, cf, rf, sizes=ParallelSizes(ep=ep))[0]
             row["arena_run_set_ahead"] = {"capacity_factor": cf, "region_factor": rf, "arena_rows": ahead["arena_rows"],
                                           "overflow": ahead["overflow"],

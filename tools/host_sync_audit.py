@@ -19,6 +19,7 @@ import argparse
 
 import torch
 
+from megatron_ext.bench.cli_types import non_negative_int, positive_float, positive_int
 from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
@@ -95,14 +96,16 @@ def audit(kind: str, args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="rowwise_symm,megatron_alltoall")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--topk", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=512)
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--stacks", type=int, default=2, help="Python stacks to print per layer")
+    parser.add_argument("--tokens", type=positive_int, default=4096)
+    parser.add_argument("--experts", type=positive_int, default=16)
+    parser.add_argument("--topk", type=positive_int, default=4)
+    parser.add_argument("--hidden", type=positive_int, default=1024)
+    parser.add_argument("--ffn", type=positive_int, default=512)
+    parser.add_argument("--capacity-factor", type=positive_float, default=1.25)
+    parser.add_argument("--stacks", type=non_negative_int, default=2, help="Python stacks to print per layer")
     args = parser.parse_args()
+    if args.topk > args.experts:
+        parser.error(f"--topk {args.topk} is more than --experts {args.experts}: a token routes to distinct experts")
     kinds = args.layers.split(",")
     unknown = sorted(set(kinds) - set(LAYERS))
     if unknown:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ext.bench.cli_types import non_negative_int, positive_float, positive_int
 from megatron_ext.parallel.folding import FoldingMesh
 from megatron_ext.parallel.memory import (
     DTYPE_BYTES, OPTIMIZERS, ModelShape, Precision, estimate, fits, render_memory)
@@ -26,24 +27,6 @@ from megatron_ext.parallel.rank_groups import DEFAULT_ORDER
 MODEL_FLAGS = ("layers", "hidden", "moe_ffn", "experts", "topk", "vocab")
 
 
-def _number_at_least(kind: type, bound: float, strict: bool):
-    """argparse type: a `kind` value >= bound (> bound when strict), with a message saying what was wrong."""
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not (value > bound if strict else value >= bound):
-            raise argparse.ArgumentTypeError(f"expected {noun} {'>' if strict else '>='} {bound}, got {value}")
-        return value
-    return parse
-
-
-positive_int = _number_at_least(int, 1, strict=False)
-non_negative_int = _number_at_least(int, 0, strict=False)
-positive_float = _number_at_least(float, 0, strict=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

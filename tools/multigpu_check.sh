@@ -54,7 +54,9 @@ NGPU_ARG=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
-        --steps) shift; STEPS_ARG="${1:-}" ;;
+        --steps) shift
+            if [ -z "${1:-}" ]; then echo "multigpu_check: --steps needs a comma-separated list" >&2; usage >&2; exit 2; fi
+            STEPS_ARG="$1" ;;
         --steps=*) STEPS_ARG="${1#--steps=}" ;;
         -h|--help) usage; exit 0 ;;
         [0-9]*) NGPU_ARG="$1" ;;

@@ -284,6 +284,9 @@ def main(argv=None) -> int:
         print(f"plot_benchmarks: matplotlib is missing: {INSTALL_HINT}", file=sys.stderr)
         return 2
     results_dir, out_dir = Path(args.results), Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"plot_benchmarks: --out {args.out} is a file; give a folder for the PNGs", file=sys.stderr)
+        return 2
     written = 0
     for name, filename, plotter in FIGURES:
         chosen = getattr(args, name)

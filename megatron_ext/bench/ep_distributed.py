@@ -28,9 +28,14 @@ class Ranks:
 
 
 def init_distributed(device: str, seed: int = 1234, with_megatron: bool = True) -> Ranks:
-    """Process group from torchrun's environment (nccl on GPUs, gloo on CPU) and, with
-    `with_megatron`, Megatron's parallel state with EP = world size."""
+    """Process group from torchrun's environment, or of one rank under plain python (nccl on GPUs,
+    gloo on CPU) and, with `with_megatron`, Megatron's parallel state with EP = world size."""
     os.environ.update(NVLINK_SAFE_ENV)
+    if "RANK" not in os.environ:  # run with plain python, not torchrun: one rank
+        from megatron_ext.cpu_ranks import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":
         if not torch.cuda.is_available():

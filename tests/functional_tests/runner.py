@@ -15,6 +15,7 @@ comparison, the case run); the cases stay here, under test_cases/.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_ext.bench.functional.case_config import list_cases
@@ -29,10 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", help="logs and actual values (default: a new temporary folder)")
     parser.add_argument("--data-path", help="fills ${DATA_PATH} (default: the DATA_PATH environment variable)")
     options = parser.parse_args(argv)
-    if options.list or not options.case:
+    if options.list:
         print("\n".join(list_cases()))
-        return 0 if options.list else 2
+        return 0
     known = list_cases()
+    if not options.case:
+        parser.error(f"give --case <model>/<name> (or --list); known cases: {', '.join(known)}")
+    if options.output_dir and os.path.exists(options.output_dir) and not os.path.isdir(options.output_dir):
+        parser.error(f"--output-dir {options.output_dir} is a file; give a folder")
     if options.case not in known:  # a usage error: one line, no traceback
         parser.error(f"no test case {options.case!r}; known cases: {', '.join(known)} (--list)")
     outcome = run_case(options.case, options.output_dir, options.generate, options.data_path)

@@ -404,8 +404,11 @@ def test_runner_cli_exits_with_the_case_runs_code(monkeypatch, capsys):
     monkeypatch.setattr(case_run, "visible_gpus", lambda: 0)
     assert runner.main(["--case", "gpt/moe_rowwise_1gpu"]) == case_run.SKIPPED == 3
     assert "SKIPPED gpt/moe_rowwise_1gpu: needs 1 GPU(s), 0 visible" in capsys.readouterr().out
-    assert runner.main([]) == 2, "no --case: the cases are listed and the exit says it was not a run"
-    assert set(capsys.readouterr().out.split()) >= EXPECTED_CASES
+    with pytest.raises(SystemExit) as exit_info:  # no --case: a usage error naming the cases
+        runner.main([])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "give --case" in error and all(case in error for case in EXPECTED_CASES), error
 
 
 def test_a_case_rtol_override_widens_only_its_metric():
