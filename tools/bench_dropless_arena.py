@@ -37,7 +37,7 @@ import torch
 
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
-from megatron_ext.bench.layer_shape import add_layer_shape_args
+from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_after, host_time_ms, interleaved_ms,
                                             median, peak_memory)
 from megatron_ext.bench.results import write_result
@@ -150,6 +150,7 @@ def main():
     parser.add_argument("--name", default="dropless_arena")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
     args = parser.parse_args()
+    check_layer_shape(parser, args)
     require_cuda("tools/bench_dropless_arena.py")
     world, rank = 1, 0
     if "WORLD_SIZE" in os.environ:  # torchrun: EP = world size

@@ -36,7 +36,7 @@ import torch
 from megatron_ext.bench.cli_types import names_from
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
-from megatron_ext.bench.layer_shape import add_layer_shape_args
+from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.bench.kernel_profile import profile_kernels
 from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_for_backward, host_time_ms,
                                             make_step, median, peak_memory)
@@ -204,6 +204,7 @@ def main():
                              "layers alive, over --device-rounds rounds (ratios to the first path per round)")
     parser.add_argument("--device-rounds", type=int, default=7)
     args = parser.parse_args()
+    check_layer_shape(parser, args)
     require_cuda("tools/bench_moe_layer.py")
     init_single_rank_megatron()
     weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)

@@ -19,7 +19,8 @@ import argparse
 
 import torch
 
-from megatron_ext.bench.cli_types import non_negative_int, positive_float, positive_int
+from megatron_ext.bench.cli_types import non_negative_int
+from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
@@ -96,16 +97,10 @@ def audit(kind: str, args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="rowwise_symm,megatron_alltoall")
-    parser.add_argument("--tokens", type=positive_int, default=4096)
-    parser.add_argument("--experts", type=positive_int, default=16)
-    parser.add_argument("--topk", type=positive_int, default=4)
-    parser.add_argument("--hidden", type=positive_int, default=1024)
-    parser.add_argument("--ffn", type=positive_int, default=512)
-    parser.add_argument("--capacity-factor", type=positive_float, default=1.25)
+    add_layer_shape_args(parser, tokens=4096, experts=16, topk=4, hidden=1024, ffn=512)
     parser.add_argument("--stacks", type=non_negative_int, default=2, help="Python stacks to print per layer")
     args = parser.parse_args()
-    if args.topk > args.experts:
-        parser.error(f"--topk {args.topk} is more than --experts {args.experts}: a token routes to distinct experts")
+    check_layer_shape(parser, args)
     kinds = args.layers.split(",")
     unknown = sorted(set(kinds) - set(LAYERS))
     if unknown:
