@@ -6,8 +6,8 @@ edited: each shim replaces one named function or attribute at runtime, says why,
 listed in `SHIM_TARGETS` so `tests/unit/test_cpu_shims.py` fails loudly when Megatron
 moves or re-signs what a shim relies on.
 
-Written against megatron-core 0.19.2 (see ../shared/research/cpu_feasibility.md for the
-blockers with file and line).
+Written against megatron-core 0.19.2; each shim's docstring names the Megatron code it works
+around.
 """
 
 from __future__ import annotations

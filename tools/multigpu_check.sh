@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 11: every multi-GPU check and benchmark of megatron_ext, in one run per machine kind.
 #
-# Usage (from the repository root, PYTHONPATH set as in ../shared/device/README.md):
+# Usage (from the repository root, PYTHONPATH set as in BENCHMARKS.md, "Multi-GPU checks"):
 #   tools/multigpu_check.sh [--steps LIST] [--dry-run] [NUM_GPUS]
 #
 #   NUM_GPUS  2, 4 or 8; default: the GPUs `nvidia-smi -L` lists, rounded down to 8, 4 or 2.

@@ -1,6 +1,6 @@
 """NVLink multicast off, for this process and every process it starts (set on import).
 
-Multicast must stay off on the multi-GPU hosts (../shared/device/README.md). NCCL and torch
+Multicast must stay off on the lent multi-GPU hosts (BENCHMARKS.md, "Multi-GPU checks"). NCCL and torch
 symmetric memory read these variables when they initialize, so the multi-GPU tools import this
 module before anything initializes them; ep_distributed.init_distributed sets them again.
 """

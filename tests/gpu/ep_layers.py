@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-# NVLink multicast stays off on the lent machines (device KINDS.md)
+# NVLink multicast stays off on the lent machines (BENCHMARKS.md, "Multi-GPU checks")
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SHAPE = dict(hidden=1024, ffn=512, topk=4)
 EXPERTS_PER_RANK = 4
