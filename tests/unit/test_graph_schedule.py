@@ -45,6 +45,30 @@ def test_capture_blockers_name_the_reason():
     assert any("debug_checks" in r for r in capture_blockers(_EagerLayer(MoEExtConfig(debug_checks=True)), x))
 
 
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+class _Router:
+    def __init__(self, tp_cp: int, coeff: float):
+        self.tp_cp_group, self.coeff = _Group(tp_cp), coeff
+
+    def get_aux_loss_coeff(self, kind):
+        return self.coeff if kind == "aux_loss" else 0.0
+
+
+@pytest.mark.parametrize("tp_cp,coeff,blocked", [(2, 0.01, True), (1, 0.01, False), (2, 0.0, False)])
+def test_a_load_balancing_all_reduce_over_tp_cp_blocks_capture(tp_cp, coeff, blocked):
+    layer = _EagerLayer(MoEExtConfig())
+    layer.router = _Router(tp_cp, coeff)
+    reasons = capture_blockers(layer, torch.randn(2, 4))
+    assert any("TP x CP (NCCL)" in r for r in reasons) == blocked, reasons
+
+
 def test_runner_falls_back_to_eager_with_a_logged_reason(caplog):
     layer = _EagerLayer(MoEExtConfig())
     runner = GraphedMoELayer(layer, num_slots=1)
