@@ -156,7 +156,7 @@ class MoEExtConfig:
                 raise ValueError("pin_host_threads applies to the rowwise layer (dispatcher='rowwise'), whose "
                                  "forward and backward pin their threads; dispatcher='megatron' builds "
                                  "Megatron's MoELayer")
-            if self.on_overflow == "error":
+            if self.on_overflow != "auto":
                 raise ValueError("on_overflow applies to dispatcher='rowwise' (Megatron's dispatchers are dropless "
                                  "or drop by their own settings)")
             if self.transport != "auto":

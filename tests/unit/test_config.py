@@ -15,6 +15,8 @@ from megatron_ext.config import MoEExtConfig
     (dict(lease_slots=0), "lease_slots"),
     (dict(dispatcher="megatron", mxfp8_dispatch=True), "mxfp8_dispatch needs dispatcher='rowwise'"),
     (dict(dispatcher="megatron", cuda_graphs=True), "cuda_graphs"),
+    (dict(dispatcher="megatron", on_overflow="drop"), "on_overflow applies to dispatcher='rowwise'"),
+    (dict(cuda_graphs=True, debug_checks=True), "cuda_graphs with debug_checks"),
     (dict(return_transfer="push"), "unknown return_transfer 'push'"),
     (dict(return_transfer="put", transport="torch"), "mode of the symm transport; use return_transfer='get'"),
     (dict(return_transfer="put", transport="deepep"), "transport='deepep'"),
