@@ -261,10 +261,10 @@ def run_script(script: str, script_args: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
     except MoEExtArgumentError as error:
         _usage_error(f"megatron_ext: error: {error}")
-    except AssertionError as error:  # Megatron's initialize asserts a GPU (0.19.2: "Megatron requires CUDA.")
+    except AssertionError as error:  # Megatron's initialize asserts a GPU with this text (0.19.2)
         import torch
 
-        if torch.cuda.is_available() or "CUDA" not in str(error):
+        if torch.cuda.is_available() or str(error) != "Megatron requires CUDA.":
             raise
         _usage_error(f"megatron_ext: error: megatron.training needs a GPU ({error}); this machine has none. On CPU, "
                      f"train the tiny MoE model of examples/train_tiny_moe_cpu.py instead")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.config import MoEExtConfig
+from megatron_ext.training_hooks import check_overflows
 
 
 @dataclass(frozen=True)
@@ -135,27 +136,9 @@ def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | 
         records.append(record)
         if log is not None and rank == 0:
             log(record)
-        _check_overflow(model)
+        if ext_config is not None and ext_config.overflow_policy == "error":
+            check_overflows(model)  # bounded dropless: one host read per step here
     return records
-
-
-def _check_overflow(model) -> None:
-    """Bounded dropless (MoEExtConfig.overflow_policy "error"): every rank raises CapacityExceeded
-    together when any rank's layer overflowed (one host read per step; a rank raising alone would
-    leave its peers waiting in the next step's collectives)."""
-    from megatron_ext.moe.overflow import CapacityExceeded
-
-    message = None
-    for layer in moe_layers(model):
-        try:
-            if hasattr(layer, "check_overflow"):
-                layer.check_overflow()
-        except CapacityExceeded as error:
-            message = message or str(error)
-    overflowed = torch.tensor([message is not None], dtype=torch.int32)
-    dist.all_reduce(overflowed)
-    if int(overflowed):
-        raise CapacityExceeded(message or "a peer rank's MoE layer overflowed its capacity (its message says more)")
 
 
 def _audit_only_moe(model, audit) -> None:

@@ -36,6 +36,33 @@ def routing_metrics_line(model, iteration: int) -> str | None:
             f"mean capacity fill {fill:.3f} | capacity {reads[0]['capacity']} rows{warning}")
 
 
+def check_overflows(model) -> None:
+    """Bounded dropless: every rank checks its MoE layers (one host read), then all ranks raise
+    CapacityExceeded together when any layer on any rank overflowed. A rank raising alone would
+    leave the others waiting in their next collective (pipeline stages, data-parallel replicas).
+    A collective over the default group: every rank calls it after the same iterations."""
+    import torch
+
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    message = None
+    for module in model_modules(model):
+        if hasattr(module, "check_overflow"):
+            try:
+                module.check_overflow()
+            except CapacityExceeded as error:
+                message = message or str(error)
+    overflowed = message is not None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([int(overflowed)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag)
+        overflowed = int(flag) > 0
+    if overflowed:
+        raise CapacityExceeded(message or "another rank's MoE layer overflowed its capacity (that rank's error "
+                                          "names the layer and the capacity factor it needs)")
+
+
 def model_modules(model):
     """Every module of a model or of Megatron's list of model chunks."""
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
@@ -46,9 +73,7 @@ def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: 
     """The work due after training iteration `iteration`: metrics and replica checks at their
     intervals; the bounded-dropless overflow check every `log_interval` iterations."""
     if config.overflow_policy == "error" and iteration % max(log_interval, 1) == 0:
-        for module in model_modules(model):
-            if hasattr(module, "check_overflow"):
-                module.check_overflow()
+        check_overflows(model)
     if config.metrics_interval and iteration % config.metrics_interval == 0:
         line = routing_metrics_line(model, iteration)
         if line and (not dist.is_initialized() or dist.get_rank() == 0):

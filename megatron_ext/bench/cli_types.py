@@ -16,7 +16,8 @@ def number_at_least(kind: type, bound: float, strict: bool = False) -> Callable[
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not (value > bound if strict else value >= bound):  # NaN fails both
+        if not (value > bound if strict else value >= bound) or value in (float("inf"), float("-inf")):
+            # NaN fails both comparisons
             raise argparse.ArgumentTypeError(f"expected {noun} {'>' if strict else '>='} {bound}, got {value}")
         return value
     return parse

@@ -53,19 +53,24 @@ def capture_blockers(layer, hidden: torch.Tensor) -> list[str]:
     elif ext.debug_checks:
         reasons.append("debug_checks reads device values on the host (a sync) inside the layer")
     if _aux_loss_all_reduce(getattr(layer, "router", None)):
-        reasons.append("the router's load-balancing loss all-reduces its counts over TP x CP (NCCL) inside the "
+        reasons.append("the router's load-balancing loss all-reduces its counts over TP x CP (NCCL; TP x DP x CP for "
+                       "the global aux loss) inside the "
                        "layer, and a graph holding NCCL work keeps destroy_process_group from returning "
                        "(pytorch/pytorch#115388)")
     return reasons
 
 
 def _aux_loss_all_reduce(router) -> bool:
-    """Megatron's router (and the fused one) all-reduce the tokens per expert over the TP x CP
-    group for its load-balancing losses when that group has more than one rank (0.19.2)."""
-    group = getattr(router, "tp_cp_group", None)
-    if group is None or group.size() <= 1 or not hasattr(router, "get_aux_loss_coeff"):
+    """Megatron's router (and the fused one) all-reduce the tokens per expert for its load-balancing
+    losses: over TP x CP (aux_loss, seq_aux_loss), over TP x DP x CP (global_aux_loss), when that
+    group has more than one rank (0.19.2)."""
+    if not hasattr(router, "get_aux_loss_coeff"):
         return False
-    return any(router.get_aux_loss_coeff(kind) > 0 for kind in ("aux_loss", "seq_aux_loss", "global_aux_loss"))
+
+    def reduces(kinds, group) -> bool:
+        return group is not None and group.size() > 1 and any(router.get_aux_loss_coeff(k) > 0 for k in kinds)
+    return reduces(("aux_loss", "seq_aux_loss"), getattr(router, "tp_cp_group", None)) or \
+        reduces(("global_aux_loss",), getattr(router, "tp_dp_cp_group", None))
 
 
 def transport_blocker(layer) -> str | None:

@@ -104,8 +104,8 @@ class RowwiseMoELayer(MoELayer):
                 where += (f" (dropless arena: {layout.layers} layers share {layout.rows} rows per microbatch, "
                           f"regions of {layout.region}; raise --moe-ext-capacity-factor for the budget, "
                           f"--moe-ext-arena-region-factor for the rows a layer may take)")
-            self._overflow.check(where, dispatcher.capacity,
-                                 dispatcher.max_tokens * dispatcher.topk, self.ext_config.capacity_factor)
+            self._overflow.check(where, dispatcher.capacity, dispatcher.max_tokens * dispatcher.topk,
+                                 self.ext_config.capacity_factor, arena=dispatcher.arena_layer is not None)
 
     def read_metrics(self, reset: bool = True) -> dict | None:
         """Host copy of the routing metrics since the last read (synchronizes: logging steps only)."""

@@ -43,8 +43,10 @@ class OverflowGuard:
         self.sums.add_(packed)
         torch.maximum(self.peak_demand, demand, out=self.peak_demand)
 
-    def check(self, where: str, capacity: int, rows_at_cf_1: int, capacity_factor: float) -> None:
-        """Raise CapacityExceeded if any route overflowed since the last check (reads the device)."""
+    def check(self, where: str, capacity: int, rows_at_cf_1: int, capacity_factor: float,
+              arena: bool = False) -> None:
+        """Raise CapacityExceeded if any route overflowed since the last check (reads the device).
+        `arena`: the layer is in a dropless arena (another policy name and other remedies)."""
         if self.sums is None:
             return
         totals, peak = unpack_metrics(self.sums.cpu()), int(self.peak_demand.max())
@@ -54,9 +56,11 @@ class OverflowGuard:
         if overflowed == 0:
             return
         needed = peak / max(rows_at_cf_1, 1)
+        policy = "the dropless arena's overflow policy (error)" if arena else "on_overflow='error'"
+        instead = "" if arena else "or use --moe-ext-dropless (worst-case buffers), "
         raise CapacityExceeded(
             f"megatron_ext bounded dropless: {where} received more routes than its capacity of {capacity} rows per "
             f"rank: {overflowed} route(s) overflowed in the last {forwards} forward(s) (the busiest rank was asked "
-            f"for {peak} rows), and on_overflow='error' forbids dropping them. Raise --moe-ext-capacity-factor "
-            f"(now {capacity_factor}; the largest load seen needs >= {needed:.2f}), or use --moe-ext-dropless "
-            f"(worst-case buffers), or --moe-ext-on-overflow drop")
+            f"for {peak} rows), and {policy} forbids dropping them. Raise --moe-ext-capacity-factor "
+            f"(now {capacity_factor}; the largest load seen needs >= {needed:.2f}), {instead}or "
+            f"--moe-ext-on-overflow drop to drop and count them")

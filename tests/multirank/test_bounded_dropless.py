@@ -69,3 +69,29 @@ def test_config_refuses_conflicting_overflow_settings():
         MoEExtConfig(dropless=True, on_overflow="error")
     with pytest.raises(ValueError, match="unknown on_overflow"):
         MoEExtConfig(on_overflow="spill")
+
+
+class _OverflowedLayer(torch.nn.Module):
+    def __init__(self, overflowed: bool):
+        super().__init__()
+        self.overflowed = overflowed
+
+    def check_overflow(self):
+        if self.overflowed:
+            raise CapacityExceeded("layer 3 overflowed")
+
+
+def _agreement_rank(rank, world):
+    from megatron_ext.training_hooks import check_overflows
+
+    try:
+        check_overflows(torch.nn.ModuleList([_OverflowedLayer(rank == 0)]))
+    except CapacityExceeded as error:
+        return str(error)
+    return None
+
+
+def test_every_rank_stops_when_one_rank_overflowed():
+    # Rank 1's layers did not overflow; it must stop too, or it would wait in its next collective.
+    first, second = run_on_ranks(_agreement_rank, 2)
+    assert first == "layer 3 overflowed" and second is not None and "another rank's MoE layer" in second

@@ -54,19 +54,21 @@ class _Group:
 
 
 class _Router:
-    def __init__(self, tp_cp: int, coeff: float):
-        self.tp_cp_group, self.coeff = _Group(tp_cp), coeff
+    def __init__(self, tp_cp: int, tp_dp_cp: int, coeff: float, kind: str = "aux_loss"):
+        self.tp_cp_group, self.tp_dp_cp_group, self.coeff, self.kind = _Group(tp_cp), _Group(tp_dp_cp), coeff, kind
 
     def get_aux_loss_coeff(self, kind):
-        return self.coeff if kind == "aux_loss" else 0.0
+        return self.coeff if kind == self.kind else 0.0
 
 
-@pytest.mark.parametrize("tp_cp,coeff,blocked", [(2, 0.01, True), (1, 0.01, False), (2, 0.0, False)])
-def test_a_load_balancing_all_reduce_over_tp_cp_blocks_capture(tp_cp, coeff, blocked):
+@pytest.mark.parametrize("tp_cp,tp_dp_cp,coeff,kind,blocked", [
+    (2, 2, 0.01, "aux_loss", True), (1, 4, 0.01, "aux_loss", False), (2, 2, 0.0, "aux_loss", False),
+    (1, 4, 0.01, "global_aux_loss", True), (1, 1, 0.01, "global_aux_loss", False)])
+def test_a_load_balancing_all_reduce_blocks_capture(tp_cp, tp_dp_cp, coeff, kind, blocked):
     layer = _EagerLayer(MoEExtConfig())
-    layer.router = _Router(tp_cp, coeff)
+    layer.router = _Router(tp_cp, tp_dp_cp, coeff, kind)
     reasons = capture_blockers(layer, torch.randn(2, 4))
-    assert any("TP x CP (NCCL)" in r for r in reasons) == blocked, reasons
+    assert any("load-balancing loss all-reduces" in r for r in reasons) == blocked, reasons
 
 
 def test_runner_falls_back_to_eager_with_a_logged_reason(caplog):

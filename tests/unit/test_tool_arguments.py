@@ -33,7 +33,7 @@ def test_bad_values_are_usage_errors(tool, flags, message):
 def test_shared_types():
     assert list_of(positive_int, "sizes")("2,4") == [2, 4]
     assert names_from(("a", "b"))("b,a") == "b,a"
-    for parse, text in ((positive_float, "nan"), (positive_float, "0"), (positive_int, "1.5"),
+    for parse, text in ((positive_float, "nan"), (positive_float, "inf"), (positive_float, "0"), (positive_int, "1.5"),
                         (list_of(positive_int, "sizes"), ","), (names_from(("a",)), "a,c")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
