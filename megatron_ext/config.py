@@ -163,11 +163,15 @@ class MoEExtConfig:
                 raise ValueError(f"transport={self.transport!r} only applies to dispatcher='rowwise'; "
                                  f"dispatcher='megatron' moves tokens with Megatron's moe_token_dispatcher_type "
                                  f"(leave transport='auto')")
-            changed = [f.name for f in fields(self) if f.name in ROWWISE_ONLY and getattr(self, f.name) != f.default]
+            changed = [name for name in self.changed_fields() if name in ROWWISE_ONLY]
             if changed:
                 raise ValueError(f"{', '.join(changed)} only apply to dispatcher='rowwise' (dispatcher='megatron' "
                                  f"sizes, routes and moves tokens by Megatron's own --moe-* settings and would "
                                  f"ignore them): leave them at their defaults or use dispatcher='rowwise'")
+
+    def changed_fields(self) -> list[str]:
+        """The fields set to something other than their default, in declaration order."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
 
     @property
     def overflow_policy(self) -> str:

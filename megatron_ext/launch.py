@@ -161,10 +161,7 @@ DENSE_FIELDS = ("replica_check_interval",)
 
 def _refuse_moe_settings_without_experts(ext_config) -> None:
     """A dense model (no --num-experts) with MoE settings changed: refused, not ignored."""
-    import dataclasses
-
-    changed = [f.name for f in dataclasses.fields(ext_config)
-               if f.name not in DENSE_FIELDS and getattr(ext_config, f.name) != f.default]
+    changed = [name for name in ext_config.changed_fields() if name not in DENSE_FIELDS]
     if changed:
         flags = ", ".join("--moe-ext-" + name.replace("_", "-") for name in changed)
         raise MoEExtArgumentError(f"{flags} configure MoE layers, and this model has none (--num-experts is not "

@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from megatron_ext import launch, specs
 from megatron_ext.arguments import MoEExtArgumentError
@@ -182,11 +181,12 @@ def test_prebuilt_dataset_helpers_skip_the_make_step():
         dataset_utils.compile_helpers = original
 
 
-def _launch(tmp_path, body: str, *flags):
+def _launch(tmp_path, body: str, *flags, env=None):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(body))
     return subprocess.run([sys.executable, "-m", "megatron_ext.launch", str(script), *flags],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env=None if env is None else {**os.environ, **env})
 
 
 PARSE_ONLY = """
@@ -216,15 +216,15 @@ def test_dense_model_keeps_the_replica_check(tmp_path):
 
 
 def test_megatron_on_a_machine_without_a_gpu_is_a_usage_error(tmp_path):
-    # Megatron 0.19.2's initialize asserts CUDA; the launcher says what to run instead.
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+    # Megatron 0.19.2's initialize asserts CUDA; the launcher says what to run instead. No GPU is
+    # visible to the child, on any machine.
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
     body = """
         if __name__ == "__main__":
             assert False, "Megatron requires CUDA."
     """
-    result = _launch(tmp_path, body, *MOE_MODEL)
+    result = _launch(tmp_path, body, *MOE_MODEL, env=no_gpu)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "megatron.training needs a GPU" in result.stderr and "train_tiny_moe_cpu.py" in result.stderr
-    other = _launch(tmp_path, 'if __name__ == "__main__":\n    assert False, "expected a CUDA tensor"\n')
+    other = _launch(tmp_path, 'if __name__ == "__main__":\n    assert False, "expected a CUDA tensor"\n', env=no_gpu)
     assert other.returncode == 1 and "AssertionError: expected a CUDA tensor" in other.stderr  # other asserts
