@@ -18,14 +18,12 @@ import argparse
 import os
 import threading
 
-import torch
-
+from megatron_ext.bench.cli_types import positive_int
 from megatron_ext.bench.cuda_required import require_cuda
-from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, make_step, median
+from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
+from megatron_ext.bench.reference_layer import rowwise_layer_step
 from megatron_ext.bench.results import write_result
 from megatron_ext.host_affinity import host_core
-from megatron_ext.testing.megatron_moe import load_weights, moe_config
-from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 CONFIGS = ("free", "one_core", "main_autograd")
@@ -44,31 +42,15 @@ def set_affinity(config: str, core: int, allowed: set[int], main_thread: int) ->
             pass
 
 
-def rowwise_layer(tokens: int):
-    """One forward+backward step of bench_moe_layer's rowwise_symm path at the reference shape."""
-    from megatron_ext.config import MoEExtConfig
-    from megatron_ext.specs import moe_builder
-
-    hidden, ffn, experts, topk = 2048, 1024, 64, 8
-    config = moe_config(hidden=hidden, ffn=ffn, experts=experts, topk=topk, dtype=torch.bfloat16,
-                        use_cpu_initialization=False, moe_router_dtype="fp32",
-                        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
-    layer = moe_builder(MoEExtConfig(transport="symm"))(config=config).cuda()
-    load_weights(layer, MoEWeights.random(experts, hidden, ffn, seed=0, dtype=torch.bfloat16))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(tokens, 1, hidden, device="cuda", generator=gen).bfloat16()
-    return make_step(layer, x, torch.randn(x.shape, device="cuda", generator=gen).bfloat16())
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tokens", type=positive_int, default=8192)
+    parser.add_argument("--rounds", type=positive_int, default=7)
+    parser.add_argument("--iters", type=positive_int, default=20)
     args = parser.parse_args()
     require_cuda("tools/bench_host_affinity.py")
     init_single_rank_megatron()
-    step = rowwise_layer(args.tokens)
+    step, _ = rowwise_layer_step(args.tokens)
     for _ in range(5):  # also starts PyTorch's autograd thread
         step()
     allowed, core, main_thread = os.sched_getaffinity(0), host_core(), threading.get_native_id()

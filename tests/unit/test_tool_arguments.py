@@ -22,6 +22,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
     ("host_sync_audit.py", ["--topk", "20"], "--topk 20 is more than --experts 16"),
     ("bench_graphs.py", ["--tokens", "0"], "token counts: expected an integer >= 1, got 0"),
     ("bench_moe_layer.py", ["--paths", "nope"], "unknown paths ['nope']"),
+    ("bench_host_cold.py", ["--iters", "0"], "argument --iters: expected an integer >= 1, got 0"),
+    ("bench_host_affinity.py", ["--rounds", "-1"], "argument --rounds: expected an integer >= 1, got -1"),
 ])
 def test_bad_values_are_usage_errors(tool, flags, message):
     result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", tool), *flags], cwd=REPO_ROOT,
