@@ -9,7 +9,8 @@ start (a synchronize follows every prelude):
   layer_step   one forward+backward of the rowwise layer (bench/reference_layer.py)
   step_lib     the layer step, then the same cuBLAS call on another shape (its code is warm again)
   cpu_code     ~20 distinct CPU torch ops on small tensors: other code through the dispatcher, no GPU
-  cpu_data     64 MiB of host memory written: the private caches' data evicted, no new code run
+  cpu_data     64 MiB of host memory written, every cache line: L2 and most of L3 evicted (code
+               and data alike: those caches hold both), no new code run
 
 Printed per prelude: median host us of the op's first call after it and of its second call.
 Then the layer step's own host time three ways: the GPU idle at its start (what
