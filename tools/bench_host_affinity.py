@@ -24,7 +24,6 @@ from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
 from megatron_ext.bench.reference_layer import rowwise_layer_step
 from megatron_ext.bench.results import write_result
 from megatron_ext.host_affinity import host_core
-from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 CONFIGS = ("free", "one_core", "main_autograd")
 
@@ -49,10 +48,7 @@ def main():
     parser.add_argument("--iters", type=positive_int, default=20)
     args = parser.parse_args()
     require_cuda("tools/bench_host_affinity.py")
-    init_single_rank_megatron()
-    step, _ = rowwise_layer_step(args.tokens)
-    for _ in range(5):  # also starts PyTorch's autograd thread
-        step()
+    step = rowwise_layer_step(args.tokens)
     allowed, core, main_thread = os.sched_getaffinity(0), host_core(), threading.get_native_id()
     host = {config: [] for config in CONFIGS}
     device = {config: [] for config in CONFIGS}

@@ -2,7 +2,7 @@
 
 One op, the fused router's gating GEMM (bf16 tokens [T, H] x bf16 weight [E, H]^T -> fp32 logits,
 cuBLAS), has its host time taken right after each of these preludes, with the GPU idle at its
-start (a synchronize follows every prelude):
+start (a synchronize follows every prelude but gpu_busy's):
 
   warm         nothing: the op ran just before (what a loop measures)
   gpu_busy     a 2 ms sleep kernel queued ahead of it (the GPU holds work, the host does not)
@@ -32,7 +32,6 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.measurement import median, synchronize
 from megatron_ext.bench.reference_layer import EXPERTS, HIDDEN, rowwise_layer_step
 from megatron_ext.bench.results import write_result
-from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 GPU_SLEEP_CYCLES = 2_000_000  # ~1-2 ms of torch.cuda._sleep on an H200
 LONG_SLEEP_CYCLES = 40_000_000  # longer than a layer step's device time
@@ -70,10 +69,7 @@ def main():
     parser.add_argument("--iters", type=positive_int, default=30)
     args = parser.parse_args()
     require_cuda("tools/bench_host_cold.py")
-    init_single_rank_megatron()
-    step, _ = rowwise_layer_step(args.tokens)
-    for _ in range(5):
-        step()
+    step = rowwise_layer_step(args.tokens)
     tokens = torch.randn(args.tokens, HIDDEN, device="cuda").bfloat16()
     weight = torch.randn(EXPERTS, HIDDEN, device="cuda").bfloat16()
     other_weight = torch.randn(EXPERTS // 2, HIDDEN, device="cuda").bfloat16()
