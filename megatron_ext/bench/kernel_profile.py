@@ -1,6 +1,6 @@
 """What one benchmark step ran, from torch.profiler: the top device kernels, the top host ops and
-the host synchronizations (each named with the op that made it), per iteration. Tells where a
-step's time goes and whether it waits on the device."""
+the host synchronizations (each named with the op that made it), per iteration, and where the
+device sat idle between them. Tells where a step's time goes and whether it waits on the device."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ def profile_kernels(fn: Callable[[], object], iters: int = 3, top: int = 10) -> 
                 and any(r.start <= e.time_range.start <= r.end for r in iterations)]  # not the profiler's own
     kernels: dict[str, list[float]] = {}
     syncs: dict[str, int] = {}
+    intervals = []
     for event in events:
         if event.device_type == DeviceType.CUDA:  # (the iteration's GPU-side annotation is dropped above)
+            intervals.append((event.time_range.start, event.time_range.end, event.name))
             entry = kernels.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time_total / 1e3
             entry[1] += 1
@@ -56,7 +58,37 @@ def profile_kernels(fn: Callable[[], object], iters: int = 3, top: int = 10) -> 
                          for name, ms in sorted(host_totals.items(), key=lambda item: -item[1])[:top]],
         "host_syncs_per_iter": sum(syncs.values()) / iters,
         "host_sync_sites": syncs,
+        "device_timeline": device_gaps(intervals, iters=iters, top=top),
     }
+
+
+def device_gaps(intervals: list[tuple[float, float, str]], iters: int, top: int = 10) -> dict:
+    """Where the device sat idle while `iters` back-to-back iterations ran: the span from the
+    first device activity's start to the last one's end, the time some activity ran (overlaps
+    counted once), the idle rest, per iteration, and the `top` longest idle gaps named by the
+    activities on either side. Input: (start_us, end_us, name) of every kernel, copy and fill.
+    Idle time between dependent kernels is launch latency and, in an eager step, waiting for the
+    host; it is what a step loses beyond its kernels' own time."""
+    if not intervals:
+        return {"span_ms_per_iter": 0.0, "busy_ms_per_iter": 0.0, "idle_ms_per_iter": 0.0,
+                "gaps_per_iter": 0.0, "top_gaps": []}
+    ordered = sorted(intervals)
+    busy = 0.0
+    gaps = []
+    run_start, run_end, last_name = ordered[0]
+    for start, end, name in ordered[1:]:
+        if start > run_end:  # a gap: nothing ran between run_end and start
+            busy += run_end - run_start
+            gaps.append((start - run_end, last_name, name))
+            run_start = start
+        if end >= run_end:
+            run_end, last_name = end, name
+    busy += run_end - run_start
+    span = run_end - ordered[0][0]
+    gaps.sort(key=lambda gap: -gap[0])
+    return {"span_ms_per_iter": span / 1e3 / iters, "busy_ms_per_iter": busy / 1e3 / iters,
+            "idle_ms_per_iter": (span - busy) / 1e3 / iters, "gaps_per_iter": len(gaps) / iters,
+            "top_gaps": [{"us": us, "after": before, "before": after} for us, before, after in gaps[:top]]}
 
 
 def _innermost_op(event, host_ops) -> str:

@@ -8,7 +8,7 @@ import torch
 
 from megatron_ext.bench import repo_paths
 from megatron_ext.bench.flops import moe_model_flops
-from megatron_ext.bench.kernel_profile import profile_kernels
+from megatron_ext.bench.kernel_profile import device_gaps, profile_kernels
 from megatron_ext.bench.measurement import host_time_ms, median
 from megatron_ext.bench.results import write_result
 
@@ -73,6 +73,47 @@ def test_profile_counts_syncs_inside_each_iteration_only():
     names = [op["name"] for op in result["top_host_ops"]]
     assert "aten::sum" in names and "bench_iteration" not in names
     assert result["top_kernels"] == [] and result["kernel_ms_per_iter"] == 0.0
+
+
+def test_device_gaps_against_a_brute_force_timeline():
+    """Random overlapping intervals on an integer clock: busy and idle time against marking every
+    microsecond, the gaps' count, length and neighbours against a scan of that marking."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        intervals = []
+        for i in range(rng.randint(1, 12)):
+            start = rng.randint(0, 80)
+            intervals.append((start, start + rng.randint(0, 15), f"k{i}"))
+        marks = [False] * 100
+        for start, end, _ in intervals:
+            for t in range(start, end):
+                marks[t] = True
+        first, last = min(s for s, _, _ in intervals), max(e for _, e, _ in intervals)
+        busy = sum(marks[first:last])
+        timeline = device_gaps(intervals, iters=2, top=50)
+        assert timeline["span_ms_per_iter"] == (last - first) / 1e3 / 2
+        # a zero-length activity marks no microsecond but still splits a gap: compare on real ones
+        if all(e > s for s, e, _ in intervals):
+            assert abs(timeline["busy_ms_per_iter"] - busy / 1e3 / 2) < 1e-12
+            idle_runs = []
+            t = first
+            while t < last:
+                if not marks[t]:
+                    run = t
+                    while not marks[t]:
+                        t += 1
+                    idle_runs.append(t - run)
+                t += 1
+            assert sorted(g["us"] for g in timeline["top_gaps"]) == sorted(idle_runs)
+            assert timeline["gaps_per_iter"] == len(idle_runs) / 2
+        for gap in timeline["top_gaps"]:  # the neighbours: one ends where the gap starts, one starts where it ends
+            ends = {e for s, e, n in intervals if n == gap["after"]}
+            starts = {s for s, e, n in intervals if n == gap["before"]}
+            assert any(s - e == gap["us"] for e in ends for s in starts)
+    empty = device_gaps([], iters=3)
+    assert empty["span_ms_per_iter"] == 0.0 and empty["top_gaps"] == []
 
 
 def test_repo_paths_resolve_to_this_checkout():
