@@ -7,6 +7,9 @@ Paths (same router weights, expert weights, tokens and output gradients):
   rowwise_symm             RowwiseMoELayer, symmetric-memory Triton transport
   rowwise_symm_megatron_router  rowwise_symm with Megatron's own routing (fused_router=False)
   rowwise_symm_graph       rowwise_symm captured in one CUDA graph (forward+backward), replayed
+  rowwise_symm_cublas_router        rowwise_symm with the router's gating GEMMs in cuBLAS
+                           (router_gemms="cublas"; the default runs them in the routing kernels)
+  rowwise_symm_cublas_router_graph  that path captured in one CUDA graph
   rowwise_symm_mxfp8       rowwise_symm with MXFP8 dispatch payloads (quantize, PUT, dequantize)
   rowwise_symm_mxfp8_graph rowwise_symm_mxfp8 captured in one CUDA graph (no host submission cost)
   rowwise_symm_moe_act     rowwise_symm under Megatron's --recompute-modules moe_act (the experts
@@ -47,7 +50,8 @@ from megatron_ext.testing.single_rank import init_single_rank_megatron
 
 DENSE = "dense_gemm"  # --device-ab's reference, timed in the same rounds
 PATHS = ("megatron_alltoall", "megatron_alltoall_gg", "rowwise_torch", "rowwise_symm", "rowwise_symm_megatron_router",
-         "rowwise_symm_graph", "rowwise_symm_mxfp8", "rowwise_symm_mxfp8_graph", "rowwise_symm_moe_act")
+         "rowwise_symm_graph", "rowwise_symm_cublas_router", "rowwise_symm_cublas_router_graph", "rowwise_symm_mxfp8",
+         "rowwise_symm_mxfp8_graph", "rowwise_symm_moe_act")
 MOE_ACT_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 
 
@@ -70,7 +74,8 @@ def build(path: str, args, weights):
         transport = "torch" if path == "rowwise_torch" else "symm"
         layer = moe_builder(MoEExtConfig(transport=transport, capacity_factor=args.capacity_factor,
                                          dropless=args.dropless, mxfp8_dispatch="mxfp8" in path,
-                                         fused_router="megatron_router" not in path))(config=config)
+                                         fused_router="megatron_router" not in path,
+                                         router_gemms="cublas" if "cublas_router" in path else "triton"))(config=config)
     layer = layer.cuda()
     load_weights(layer, weights)
     return layer
@@ -238,6 +243,13 @@ def main():
             print(f"  backward node: {node['cpu_us']:7.1f} us x{node['calls']:.0f} {node['node']}")
         for kernel in rows[-1].get("kernels", {}).get("top_kernels", []):
             print(f"  kernel: {kernel['ms_per_iter']:7.3f} ms x{kernel['calls_per_iter']:.0f} {kernel['name'][:110]}")
+        timeline = rows[-1].get("kernels", {}).get("device_timeline")
+        if timeline:
+            print(f"  device timeline: span {timeline['span_ms_per_iter']:.3f} ms,"
+                  f" busy {timeline['busy_ms_per_iter']:.3f}, idle {timeline['idle_ms_per_iter']:.3f}"
+                  f" in {timeline['gaps_per_iter']:.0f} gaps per step")
+            for gap in timeline["top_gaps"]:
+                print(f"  idle gap: {gap['us']:7.1f} us after {gap['after'][:60]} before {gap['before'][:60]}")
         listed = ("kernels", "host_hotspots", "host_cumulative", "host_phases_ms", "backward_nodes", "host_census")
         print({k: v for k, v in rows[-1].items() if k not in listed}, flush=True)
     host_ab = interleaved_ab(args, weights, x, grad_out, args.host_ab, False, flops) if args.host_ab else None

@@ -13,6 +13,8 @@ Forward, per block of BLOCK_TOKENS tokens, from the router logits [T, E]:
 Backward, one kernel: the logits' gradient from the top-k probs' gradient (softmax over the
 selected logits, or the full softmax when pre-softmax) plus the load-balancing loss's gradient
 (full softmax), in fp32 or split into bf16 hi and lo halves for the gating GEMMs.
+With bf16 tokens and weight and fp32 logits the gating GEMM runs inside the forward kernel and
+the tokens' gradient inside the backward one (kernels/router_gate.py; `gate_router_topk`).
 
 Cost removed: Megatron's routing (topk, softmax, two scatters into [T, E], the aux-loss softmax,
 topk and scatter, a sum) and the separate select kernel: about 20 launches and 10 autograd
@@ -27,6 +29,8 @@ import triton
 import triton.language as tl
 
 from megatron_ext.kernels.route_plan import BLOCK_TOKENS, _store_selection, selection_outputs
+from megatron_ext.kernels.router_gate import (GEMM_STAGES, GateTiles, arrival_blocks, gate_block_e, gate_logits,
+                                              gate_token_grad, gate_weight_grad)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -53,12 +57,16 @@ def _softmax_rows(logits, keep):
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, map_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr, nonfinite_ptr,
-                        score_sums_ptr, T, E, scale, K: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
-                        SCORE_SUMS: tl.constexpr, PROBS_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_E: tl.constexpr):
+def _router_topk_kernel(logits_ptr, hidden_ptr, weight_ptr, map_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr,
+                        nonfinite_ptr, score_sums_ptr, T, E, H, scale, K: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
+                        SCORE_SUMS: tl.constexpr, PROBS_DTYPE: tl.constexpr, GATE: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     block = tl.program_id(0)
-    tokens, experts, inside, offsets, logits = _load_logits(logits_ptr, block, T, E, BLOCK_T, BLOCK_E)
+    if GATE:  # logits computed here from the tokens and the weight, and stored for the backward
+        tokens, experts, inside, offsets, logits = gate_logits(hidden_ptr, weight_ptr, logits_ptr, block, T, E, H,
+                                                               BLOCK_T, BLOCK_E, BLOCK_H)
+    else:
+        tokens, experts, inside, offsets, logits = _load_logits(logits_ptr, block, T, E, BLOCK_T, BLOCK_E)
     key = tl.where(logits != logits, float("inf"), logits)  # NaN ranks first, as in torch.topk
     taken = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
     for _ in tl.static_range(K):
@@ -81,10 +89,11 @@ def _router_topk_kernel(logits_ptr, map_ptr, top_idx_ptr, top_probs_ptr, counts_
 
 
 @triton.jit
-def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_aux_ptr, counts_ptr, grad_logits_ptr, T, E,
-                                 scale, aux_scale, K: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
-                                 HAS_GRAD_TOP: tl.constexpr, HAS_GRAD_AUX: tl.constexpr, SPLIT: tl.constexpr,
-                                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_aux_ptr, counts_ptr, grad_logits_ptr,
+                                 weight_ptr, grad_hidden_ptr, arrivals_ptr, T, E, H, num_arrivals, scale, aux_scale,
+                                 K: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_GRAD_TOP: tl.constexpr,
+                                 HAS_GRAD_AUX: tl.constexpr, SPLIT: tl.constexpr, GATE: tl.constexpr,
+                                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     tokens, experts, inside, offsets, logits = _load_logits(logits_ptr, tl.program_id(0), T, E, BLOCK_T, BLOCK_E)
     taken = (tl.load(map_ptr + offsets, mask=inside, other=0) != 0) & inside
     scores = _softmax_rows(logits, inside)
@@ -107,6 +116,12 @@ def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_aux_ptr
         row = tokens[:, None].to(tl.int64) * (2 * E) + experts[None, :]
         tl.store(grad_logits_ptr + row, hi, mask=inside)
         tl.store(grad_logits_ptr + row + E, lo, mask=inside)
+        if GATE:  # the tokens' gradient here; the weight's in router_gate.gate_weight_grad, which
+            gate_token_grad(hi, lo, weight_ptr, grad_hidden_ptr, tokens, experts, T, E, H, BLOCK_H)
+            if tl.program_id(0) == 0:  # counts arrivals from zero (stream order: it runs after this kernel)
+                for start in range(0, num_arrivals, BLOCK_E):
+                    at = start + experts
+                    tl.store(arrivals_ptr + at, tl.zeros_like(at), mask=at < num_arrivals)
     else:
         tl.store(grad_logits_ptr + offsets, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
 
@@ -117,18 +132,36 @@ def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scal
     [T, K] fp32, counts [E] int32, hist [B, E] int32, nonfinite [] int32 and, with `score_sums`,
     score_sums [E] fp32 (sum over tokens of the full softmax). Not differentiable; see
     megatron_ext.moe.fused_router for the autograd wrapper."""
+    return _route(logits, None, None, topk, pre_softmax, scale, score_sums)
+
+
+def gate_router_topk(hidden: torch.Tensor, weight: torch.Tensor, topk: int, pre_softmax: bool = False,
+                     scale: float = 1.0, score_sums: bool = False) -> dict:
+    """router_topk of the fp32 logits of bf16 tokens [T, H] and router weight [E, H], the gating GEMM
+    in the same kernel; the dict also holds those logits [T, E] fp32 (the backward's input)."""
+    logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+    out = _route(logits, hidden.contiguous(), weight.contiguous(), topk, pre_softmax, scale, score_sums)
+    out["logits"] = logits
+    return out
+
+
+def _route(logits, hidden, weight, topk, pre_softmax, scale, score_sums) -> dict:
+    """One routing launch; with `hidden` and `weight` the kernel computes `logits` (its output)."""
     num_tokens, num_experts = logits.shape
     device = logits.device
+    gate = hidden is not None
     routing_map = torch.empty(num_tokens, num_experts, dtype=torch.bool, device=device)
     top_idx, top_probs, counts_and_nonfinite, hist = selection_outputs(num_tokens, num_experts, topk, device)
     blocks = hist.shape[0]
     partial_sums = torch.empty(blocks if score_sums else 1, num_experts, dtype=torch.float32, device=device)
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = gate_block_e(num_experts) if gate else triton.next_power_of_2(num_experts)
     _router_topk_kernel[(blocks,)](
-        logits, routing_map.view(torch.int8), top_idx, top_probs, counts_and_nonfinite, hist,
-        counts_and_nonfinite[num_experts:], partial_sums, num_tokens, num_experts, float(scale), K=topk,
-        PRE_SOFTMAX=pre_softmax, SCORE_SUMS=score_sums, PROBS_DTYPE=_TL_DTYPES[logits.dtype],
-        BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, num_warps=4 if block_e <= 128 else 8)
+        logits, hidden if gate else logits, weight if gate else logits, routing_map.view(torch.int8), top_idx,
+        top_probs, counts_and_nonfinite, hist, counts_and_nonfinite[num_experts:], partial_sums, num_tokens,
+        num_experts, hidden.shape[1] if gate else 0, float(scale), K=topk, PRE_SOFTMAX=pre_softmax,
+        SCORE_SUMS=score_sums, PROBS_DTYPE=_TL_DTYPES[logits.dtype], GATE=gate, BLOCK_T=BLOCK_TOKENS,
+        BLOCK_E=block_e, BLOCK_H=GateTiles.for_experts(num_experts).logits_block_h,
+        num_warps=4 if block_e <= 128 else 8, num_stages=GEMM_STAGES)
     return {"routing_map": routing_map, "top_idx": top_idx, "top_probs": top_probs,
             "counts": counts_and_nonfinite[:num_experts], "hist": hist, "nonfinite": counts_and_nonfinite[num_experts],
             "score_sums": partial_sums.sum(0) if score_sums else None}
@@ -136,24 +169,38 @@ def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scal
 
 def router_topk_backward(logits: torch.Tensor, routing_map: torch.Tensor, grad_top_probs: torch.Tensor | None,
                          grad_aux: tuple[torch.Tensor, torch.Tensor, float] | None, topk: int, pre_softmax: bool,
-                         scale: float, split: bool = False) -> torch.Tensor:
+                         scale: float, split: bool = False, gate: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Gradient of router_topk's top_probs and of the load-balancing loss -> the logits' gradient.
 
     grad_aux = (d loss / d aux [] fp32, counts [E], aux scale) for aux = aux_scale * sum(score_sums * counts).
     Returns [T, E] in the logits' dtype, or with `split` [T, 2E] bf16 holding hi = bf16(g) and
-    lo = bf16(g - hi) side by side: g to ~16 mantissa bits for two bf16 GEMMs with fp32 accumulation."""
+    lo = bf16(g - hi) side by side: g to ~16 mantissa bits for two bf16 GEMMs with fp32 accumulation.
+    With `gate` = (bf16 tokens [T, H], router weight [E, H]) (gate_router_topk's forward), returns
+    the gating GEMMs' gradients instead: (d tokens [T, H], d weight [E, H]), both bf16."""
     num_tokens, num_experts = logits.shape
-    if split:
+    if split or gate is not None:
         grad = torch.empty(num_tokens, 2 * num_experts, dtype=torch.bfloat16, device=logits.device)
     else:
         grad = torch.empty_like(logits)
-    block_e = triton.next_power_of_2(num_experts)
-    dummy = logits  # never read: the HAS_* flag is off
+    dummy = logits  # never read: the HAS_* or GATE flag is off
+    hidden, weight = gate if gate is not None else (dummy, dummy)
+    grad_hidden = torch.empty_like(hidden) if gate is not None else dummy
+    num_arrivals = arrival_blocks(hidden.shape[1]) if gate is not None else 0
+    arrivals = torch.empty(max(num_arrivals, 1), dtype=torch.int32, device=logits.device)
+    block_e = gate_block_e(num_experts) if gate is not None else triton.next_power_of_2(num_experts)
     grad_aux_loss, counts, aux_scale = grad_aux if grad_aux is not None else (dummy, dummy, 0.0)
-    _router_topk_backward_kernel[(triton.cdiv(num_tokens, BLOCK_TOKENS),)](
+    blocks = triton.cdiv(num_tokens, BLOCK_TOKENS)
+    if gate is not None:  # program 0 clears the weight gradient's arrival counters, even with no tokens
+        blocks = max(blocks, 1)
+    _router_topk_backward_kernel[(blocks,)](
         logits, routing_map.view(torch.int8),
         grad_top_probs.contiguous() if grad_top_probs is not None else dummy, grad_aux_loss, counts, grad,
-        num_tokens, num_experts, float(scale), float(aux_scale), K=topk, PRE_SOFTMAX=pre_softmax,
-        HAS_GRAD_TOP=grad_top_probs is not None, HAS_GRAD_AUX=grad_aux is not None, SPLIT=split,
-        BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, num_warps=4 if block_e <= 128 else 8)
-    return grad
+        weight, grad_hidden, arrivals, num_tokens, num_experts, hidden.shape[1] if gate is not None else 0,
+        num_arrivals, float(scale), float(aux_scale), K=topk, PRE_SOFTMAX=pre_softmax,
+        HAS_GRAD_TOP=grad_top_probs is not None, HAS_GRAD_AUX=grad_aux is not None,
+        SPLIT=split or gate is not None, GATE=gate is not None, BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e,
+        BLOCK_H=GateTiles.for_experts(num_experts).token_grad_block_h, num_warps=4 if block_e <= 128 else 8,
+        num_stages=GEMM_STAGES - 1)
+    if gate is None:
+        return grad
+    return grad_hidden, gate_weight_grad(grad, hidden, arrivals)

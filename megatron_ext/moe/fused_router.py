@@ -9,10 +9,12 @@ a fused_routes.Selection (ids, counts, histograms), so the dispatcher's select k
 Cost removed: ~30 launches and ~15 autograd nodes per layer step (1.3-1.8 ms of host time and
 ~0.5 ms of device time at the reference shape, BENCHMARKS.md). Cost accepted: results equal
 Megatron's to fp32 rounding, not bitwise (the backward's gating GEMMs with bf16 tokens: to one
-bf16 rounding, _split_gating_grads). Configurations it does
-not fuse (`unfused_reasons`), padded batches and CPU tensors run TopKRouter.forward unchanged,
-and the dispatcher takes either. Installed by megatron_ext.specs for the rowwise dispatcher
-(`MoEExtConfig.fused_router`). Written against megatron-core 0.19.2 (transformer/moe/router.py).
+bf16 rounding, _split_gating_grads). With bf16 tokens and an fp32 router the gating GEMMs
+themselves run in the routing kernels (kernels/router_gate.py; `MoEExtConfig.router_gemms`),
+so the layer step makes no cuBLAS call. Configurations it does not fuse (`unfused_reasons`),
+padded batches and CPU tensors run TopKRouter.forward unchanged, and the dispatcher takes either.
+Installed by megatron_ext.specs for the rowwise dispatcher (`MoEExtConfig.fused_router`). Written
+against megatron-core 0.19.2 (transformer/moe/router.py).
 """
 
 from __future__ import annotations
@@ -59,13 +61,18 @@ class _Routing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, logits_dtype: torch.dtype, topk: int, pre_softmax: bool, scale: float,
-                aux: LoadBalancingLoss | None):
-        from megatron_ext.kernels.router_topk import router_topk
+                aux: LoadBalancingLoss | None, gemms_in_kernel: bool):
+        from megatron_ext.kernels.router_topk import gate_router_topk, router_topk
 
         ctx.input_shape = hidden.shape  # [..., H] tokens flattened here, not by a view node before the call
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        logits = _gate(hidden, weight, logits_dtype)
-        out = router_topk(logits, topk, pre_softmax, scale, score_sums=aux is not None)
+        ctx.gate_in_kernel = gemms_in_kernel
+        if gemms_in_kernel:  # the gating GEMM inside the routing kernel (kernels/router_gate.py)
+            out = gate_router_topk(hidden, weight, topk, pre_softmax, scale, score_sums=aux is not None)
+            logits = out["logits"]
+        else:
+            logits = _gate(hidden, weight, logits_dtype)
+            out = router_topk(logits, topk, pre_softmax, scale, score_sums=aux is not None)
         tokens_per_expert = out["counts"]
         if aux is None:
             aux_loss = logits.new_zeros(0)
@@ -88,10 +95,14 @@ class _Routing(torch.autograd.Function):
         if ctx.aux is None:
             grad_aux_loss = None
         if grad_top_probs is None and grad_aux_loss is None:
-            return (None,) * 7
+            return (None,) * 8
         hidden, weight, logits, routing_map, tokens_per_expert = ctx.saved_tensors
         grad_aux = None if grad_aux_loss is None else (grad_aux_loss.float(), tokens_per_expert, ctx.aux.scale)
-        split = _split_gradient(hidden, weight, logits)
+        if ctx.gate_in_kernel:  # both gating gradients from Triton (kernels/router_gate.py)
+            grad_hidden, grad_weight = router_topk_backward(logits, routing_map, grad_top_probs, grad_aux, ctx.topk,
+                                                            ctx.pre_softmax, ctx.scale, gate=(hidden, weight))
+            return grad_hidden.view(ctx.input_shape), grad_weight, None, None, None, None, None, None
+        split = _split_gradient(hidden, weight, logits.dtype)
         grad_logits = router_topk_backward(logits, routing_map, grad_top_probs, grad_aux, ctx.topk,
                                            ctx.pre_softmax, ctx.scale, split=split)
         if split:
@@ -99,13 +110,22 @@ class _Routing(torch.autograd.Function):
         else:  # as Megatron's RouterGatingLinearFunction.backward: GEMMs in the router dtype, then cast
             grad_hidden = torch.mm(grad_logits, weight.to(grad_logits.dtype)).to(hidden.dtype)
             grad_weight = torch.mm(grad_logits.t(), hidden.to(grad_logits.dtype)).to(weight.dtype)
-        return grad_hidden.view(ctx.input_shape), grad_weight, None, None, None, None, None
+        return grad_hidden.view(ctx.input_shape), grad_weight, None, None, None, None, None, None
 
 
-def _split_gradient(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> bool:
+def _gate_in_kernel(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) -> bool:
+    """Whether the gating GEMMs run inside the routing kernels: bf16 tokens and weight, fp32 logits,
+    up to router_gate.MAX_EXPERTS experts."""
+    from megatron_ext.kernels.router_gate import MAX_EXPERTS
+
+    return _split_gradient(hidden, weight, logits_dtype) and weight.shape[0] <= MAX_EXPERTS
+
+
+def _split_gradient(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) -> bool:
     """bf16 tokens and weight with fp32 logits: the backward GEMMs take the logits' gradient as
-    bf16 hi + lo (_split_gating_grads) instead of upcasting the tokens and the weight."""
-    return hidden.dtype == weight.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    bf16 hi + lo instead of upcasting the tokens and the weight, and all three gating GEMMs run in
+    the routing kernels (kernels/router_gate.py); _split_gating_grads is their torch form."""
+    return hidden.dtype == weight.dtype == torch.bfloat16 and logits_dtype == torch.float32
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -130,12 +150,16 @@ def _split_gating_grads(grad_split: torch.Tensor, hidden: torch.Tensor, weight: 
 
 
 def fused_routing(hidden: torch.Tensor, weight: torch.Tensor, topk: int, logits_dtype: torch.dtype | None = None,
-                  pre_softmax: bool = False, scale: float = 1.0, aux: LoadBalancingLoss | None = None):
+                  pre_softmax: bool = False, scale: float = 1.0, aux: LoadBalancingLoss | None = None,
+                  gemms_in_kernel: bool = True):
     """Tokens [T, H] (or [S, B, H]) and router weight [E, H] -> (top_probs [T, K] fp32, the load-balancing loss
     (a scalar; an empty tensor without `aux`), Selection); top_probs and the loss carry gradients
-    to the tokens and the weight."""
+    to the tokens and the weight. `gemms_in_kernel`: the gating GEMMs in Triton where they can be
+    (bf16 tokens and weight, fp32 logits, up to 256 experts; kernels/router_gate.py), else cuBLAS."""
+    logits_dtype = logits_dtype or hidden.dtype
+    in_kernel = gemms_in_kernel and _gate_in_kernel(hidden, weight, logits_dtype)
     top_probs, aux_loss, routing_map, top_idx, counts, hist, nonfinite = _Routing.apply(
-        hidden, weight, logits_dtype or hidden.dtype, topk, pre_softmax, scale, aux)
+        hidden, weight, logits_dtype, topk, pre_softmax, scale, aux, in_kernel)
     return top_probs, aux_loss, Selection(routing_map, counts, hist, nonfinite, top_idx=top_idx)
 
 
@@ -168,6 +192,7 @@ class FusedTopKRouter(TopKRouter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.gemms_in_kernel = True  # MoEExtConfig.router_gemms == "triton"; RowwiseMoELayer sets it
         self.unfused = unfused_reasons(self)
         if self.unfused:
             warn_once(logger, "megatron_ext: the MoE routers run Megatron's own routing (not fused) for: "
@@ -183,7 +208,7 @@ class FusedTopKRouter(TopKRouter):
         aux = self._load_balancing_loss(num_tokens, coeff) if with_aux else None
         top_probs, aux_loss, selection = fused_routing(
             input, self.weight, self.topk, logits_dtype, bool(self.config.moe_router_pre_softmax),
-            float(self.config.moe_router_topk_scaling_factor or 1.0), aux)
+            float(self.config.moe_router_topk_scaling_factor or 1.0), aux, self.gemms_in_kernel)
         if with_aux:  # logged and scaled as Megatron's router does
             top_probs = self.attach_and_log_load_balancing_loss(top_probs, coeff, aux_loss, "load_balancing_loss",
                                                                 self.tp_cp_group, valid_token_count=num_tokens)

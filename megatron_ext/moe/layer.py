@@ -17,6 +17,7 @@ from megatron_ext.config import MoEExtConfig
 from megatron_ext.host_affinity import host_core, pin_submitting_threads
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
+from megatron_ext.moe.fused_router import FusedTopKRouter
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
 from megatron_ext.rules import ExpertSettings, expert_problems, graph_runner_clash, moe_problems, rowwise_problems
@@ -58,6 +59,8 @@ class RowwiseMoELayer(MoELayer):
             raise ValueError("dropless_arena: the experts cannot keep their rows in the arena:\n  - "
                              + "\n  - ".join(self.experts.arena_problems()))
         self.ext_config = ext_config
+        if isinstance(self.router, FusedTopKRouter):
+            self.router.gemms_in_kernel = ext_config.router_gemms == "triton"
         self.token_dispatcher = RowwiseTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config, ext_config,
             pg_collection=pg_collection)

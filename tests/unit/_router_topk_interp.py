@@ -149,6 +149,49 @@ def check_split_gradients() -> None:
     print("ok split gating gradients")
 
 
+def check_gate_in_kernel() -> None:
+    """The gating GEMMs inside the routing kernels (bf16 tokens and weight, fp32 logits) against
+    their torch form: logits against the fp32 product, the same routes as routing those logits,
+    and token and weight gradients against _split_gating_grads to one bf16 rounding. Shapes with
+    ragged token blocks, hidden sizes that are not multiples of the GEMM tile, fewer experts than
+    tl.dot's 16, several token splits of the weight gradient, and no tokens at all; twice each,
+    bitwise equal (the splits are summed in a fixed order)."""
+    from megatron_ext.kernels.router_topk import gate_router_topk, router_topk, router_topk_backward
+    from megatron_ext.moe.fused_router import _split_gating_grads
+
+    gen = torch.Generator().manual_seed(5)
+    for num_tokens, num_experts, hidden_size, topk, pre_softmax in [(45, 6, 48, 2, False), (300, 64, 200, 8, False),
+                                                                    (70, 20, 136, 3, True), (0, 8, 64, 2, False)]:
+        case = f"gate T={num_tokens} E={num_experts} H={hidden_size} K={topk} pre_softmax={pre_softmax}"
+        hidden = torch.randn(num_tokens, hidden_size, generator=gen).bfloat16()
+        weight = (torch.randn(num_experts, hidden_size, generator=gen) * 0.2).bfloat16()
+        grad_top = torch.randn(num_tokens, topk, generator=gen)
+        grad_aux = (torch.tensor(0.7), torch.randint(0, 9, (num_experts,), generator=gen).int(), 0.01)
+        out = gate_router_topk(hidden, weight, topk, pre_softmax, 1.5, score_sums=True)
+        want_logits = hidden.float() @ weight.float().t()
+        torch.testing.assert_close(out["logits"], want_logits, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{case}: logits\n{m}")
+        ref = router_topk(out["logits"], topk, pre_softmax, 1.5, score_sums=True)
+        for name in ("routing_map", "top_idx", "counts", "hist", "nonfinite"):
+            assert torch.equal(out[name], ref[name]), f"{case}: {name}"
+        for name in ("top_probs", "score_sums"):  # on a GPU the softmax's sums run in another order
+            torch.testing.assert_close(out[name], ref[name], rtol=4e-7, atol=0, msg=lambda m: f"{case}: {name}\n{m}")
+        grads = [router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, pre_softmax, 1.5,
+                                      gate=(hidden, weight)) for _ in range(2)]
+        for first, again in zip(*grads):
+            assert torch.equal(first, again), f"{case}: not bitwise equal run to run"
+        split = router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, pre_softmax, 1.5,
+                                     split=True)
+        for name, got, want in zip(("tokens", "weight"), grads[0], _split_gating_grads(split, hidden, weight)):
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape, f"{case}: {name} gradient's dtype, shape"
+            scale = float(want.float().abs().max()) if want.numel() else 0.0
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -8 * scale,
+                                       msg=lambda m: f"{case}: {name} gradient\n{m}")
+        if num_tokens == 0:
+            assert not grads[0][1].any(), f"{case}: the weight gradient of no tokens is zero"
+        print(f"ok {case}")
+
+
 def check_ties() -> None:
     """Equal logits at the top-k boundary: the lowest expert id wins (torch.topk leaves the order
     of ties unspecified; on bf16 logits they happen)."""
@@ -166,6 +209,9 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
         return 2
+    from tests.unit.interpreter import fix_interpreter_bf16_dot
+
+    fix_interpreter_bf16_dot()
     cases = [  # T, E, K, pre_softmax, scale, dtype
         (70, 8, 2, False, None, torch.float32),
         (45, 6, 2, False, None, torch.float32),      # E not a power of two, T not a multiple of 32
@@ -181,6 +227,7 @@ def main() -> int:
     check_case(40, 8, 2, False, None, torch.float32, seed=99, nan_token=5)
     check_without_aux()
     check_split_gradients()
+    check_gate_in_kernel()
     check_ties()
     print("all fused-router checks passed")
     return 0

@@ -20,3 +20,23 @@ def run_under_interpreter(script_name: str, timeout: float = 240) -> str:
     assert proc.returncode == 0, f"interpreter run of {script_name} failed ({proc.returncode}):\n" \
                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def fix_interpreter_bf16_dot() -> None:
+    """Triton's interpreter (3.7) keeps bf16 values as their uint16 bit patterns and its tl.dot
+    multiplies those patterns as integers. Upcast bf16 operands first, as a GPU's bf16 MMA does
+    (exact products, fp32 sums). Harmless once the interpreter handles bf16 itself."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "upcasts_bf16", False):
+        return
+    create_dot = builder.create_dot
+
+    def upcast_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    upcast_dot.upcasts_bf16 = True
+    builder.create_dot = upcast_dot

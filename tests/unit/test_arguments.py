@@ -36,7 +36,8 @@ def test_defaults_round_trip(megatron_parser):
 @pytest.mark.parametrize("config", [
     MoEExtConfig(dispatcher="megatron", ddp_buckets=True, debug_checks=True, replica_check_interval=3),
     MoEExtConfig(capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096, metrics_interval=10,
-                 debug_poison=True, lease_slots=3, fused_route_map=False, fused_router=False, peer_timeout_s=9.5),
+                 debug_poison=True, lease_slots=3, fused_route_map=False, fused_router=False, peer_timeout_s=9.5,
+                 router_gemms="cublas"),
     MoEExtConfig(dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.75, on_overflow="drop"),
     MoEExtConfig(transport="symm", mxfp8_dispatch=True, cuda_graphs=True, capacity_factor=1.0),
     MoEExtConfig(transport="torch", replica_check_interval=5),
@@ -52,7 +53,8 @@ def test_every_field_is_reachable_from_its_flag(megatron_parser):
     """Each flag alone changes exactly its own field."""
     for flag in FLAGS:
         value = {"dispatcher": "megatron", "transport": "torch",
-                 "capacity_factor": "3.5", "on_overflow": "error", "return_transfer": "put"}.get(flag.field, "7")
+                 "capacity_factor": "3.5", "on_overflow": "error", "return_transfer": "put",
+                 "router_gemms": "cublas"}.get(flag.field, "7")
         argv = [flag.flag] if flag.kind != "value" else [flag.flag, value]
         config = ext_config_from_args(megatron_parser.parse_args(argv))
         differs = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]

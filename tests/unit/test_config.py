@@ -18,6 +18,7 @@ from megatron_ext.config import MoEExtConfig
     (dict(dispatcher="megatron", on_overflow="drop"), "on_overflow applies to dispatcher='rowwise'"),
     (dict(cuda_graphs=True, debug_checks=True), "cuda_graphs with debug_checks"),
     (dict(return_transfer="push"), "unknown return_transfer 'push'"),
+    (dict(router_gemms="cutlass"), "unknown router_gemms 'cutlass'; choose one of \\('triton', 'cublas'\\)"),
     (dict(return_transfer="put", transport="torch"), "mode of the symm transport; use return_transfer='get'"),
     (dict(return_transfer="put", transport="deepep"), "transport='deepep'"),
     (dict(return_transfer="put", dispatcher="megatron"), "dispatcher='megatron'"),
@@ -119,7 +120,7 @@ def test_overflow_policy_auto_is_error_with_the_arena_and_drop_otherwise():
 @pytest.mark.parametrize("field,value", [
     ("capacity_factor", 2.0), ("dropless", True), ("max_tokens_per_rank", 64), ("lease_slots", 2),
     ("fused_router", False), ("peer_timeout_s", 5.0), ("metrics_interval", 10), ("debug_poison", True),
-    ("arena_region_factor", 0.5)])
+    ("arena_region_factor", 0.5), ("router_gemms", "cublas")])
 def test_rowwise_settings_are_refused_not_ignored_under_megatrons_dispatcher(field, value):
     MoEExtConfig(**{field: value})  # the rowwise dispatcher takes it
     with pytest.raises(ValueError, match=rf"{field} only apply to dispatcher='rowwise'"):
