@@ -133,8 +133,9 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "about 0.6 ms of host time per layer)."),
     ExtFlag("router_gemms", "--moe-ext-router-gemms", "value", type=str, choices=ROUTER_GEMMS,
             help="Where the fused router's gating GEMMs run with bf16 tokens and an fp32 router: triton (inside "
-                 "the routing kernels; no cuBLAS in the layer step, 0.2-0.4 ms less host time per layer step, "
-                 "1-2% more device time in a CUDA graph; up to 256 experts) or cublas."),
+                 "the routing kernels; no cuBLAS in the layer step, 9-11% less host time per layer step, 0-7% "
+                 "more device time, most at small token counts; up to 256 experts) or cublas (for CUDA-graphed "
+                 "runs at small token counts, where the host cost is gone)."),
     ExtFlag("pin_host_threads", "--moe-ext-pin-host-threads", "on",
             help="Keep the threads that submit the MoE layers' work (the main thread and PyTorch's autograd "
                  "thread) on one CPU core, this rank's share of its allowed cores (Linux). Cut the eager "

@@ -72,9 +72,10 @@ class MoEExtConfig:
         run Megatron's own routing. Applies with fused_route_map (it feeds that route map).
     router_gemms: where the fused router's gating GEMMs run with bf16 tokens and an fp32 router
         (Megatron's --moe-router-dtype fp32 under --bf16): "triton" (inside the routing kernels, plus
-        one kernel for the weight's gradient; no cuBLAS in the layer step, 0.2-0.4 ms less host
-        time per layer step on the lent H200 hosts, 1-2% more device time in a CUDA graph; up to
-        256 experts, more use cuBLAS) or "cublas". Same results to fp32 rounding of the logits.
+        one kernel for the weight's gradient; no cuBLAS in the layer step: 9-11% less host time per
+        layer step on the lent H200 hosts, 0-7% more device time, most at small token counts; up to
+        256 experts, more use cuBLAS) or "cublas". Same results to fp32 rounding of the logits. Eager
+        and CUDA-graphed layers use the same GEMMs, so their results stay bitwise equal.
     peer_timeout_s: how long a rank waits on its expert-parallel peers (count exchange, transfers,
         device barriers) before it ends with a message naming the phase; None follows Megatron's
         --distributed-timeout-minutes (else torch's default process-group timeout, 30 min).

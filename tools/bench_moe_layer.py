@@ -8,7 +8,7 @@ Paths (same router weights, expert weights, tokens and output gradients):
   rowwise_symm_megatron_router  rowwise_symm with Megatron's own routing (fused_router=False)
   rowwise_symm_graph       rowwise_symm captured in one CUDA graph (forward+backward), replayed
   rowwise_symm_cublas_router        rowwise_symm with the router's gating GEMMs in cuBLAS
-                           (router_gemms="cublas"; the default runs them in the routing kernels)
+                           (router_gemms="cublas"; the other rowwise paths run them in the routing kernels)
   rowwise_symm_cublas_router_graph  that path captured in one CUDA graph
   rowwise_symm_mxfp8       rowwise_symm with MXFP8 dispatch payloads (quantize, PUT, dequantize)
   rowwise_symm_mxfp8_graph rowwise_symm_mxfp8 captured in one CUDA graph (no host submission cost)

@@ -216,12 +216,13 @@ def select_routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
     return top_idx, top_probs, counts_and_nonfinite[:num_experts], hist, counts_and_nonfinite[num_experts]
 
 
-def selection_outputs(num_tokens: int, num_experts: int, topk: int, device):
+def selection_outputs(num_tokens: int, num_experts: int, topk: int, device, counters: int = 1):
     """The tensors _store_selection fills: top_idx [T, K] int32, top_probs [T, K] fp32, the counts
-    [E] with the non-finite count after them [E + 1] int32 (zeroed: one memset), hist [B, E] int32."""
+    [E] with `counters` more zeroed int32 after them, the non-finite count first ([E + counters],
+    zeroed: one memset), hist [B, E] int32."""
     return (torch.empty(num_tokens, topk, dtype=torch.int32, device=device),
             torch.empty(num_tokens, topk, dtype=torch.float32, device=device),
-            torch.zeros(num_experts + 1, dtype=torch.int32, device=device),
+            torch.zeros(num_experts + counters, dtype=torch.int32, device=device),
             torch.empty(triton.cdiv(num_tokens, BLOCK_TOKENS), num_experts, dtype=torch.int32, device=device))
 
 

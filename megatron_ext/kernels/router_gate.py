@@ -11,10 +11,11 @@ fp32 router under --bf16; docs/design.md, "Fused router").
 
 Cost removed: cuBLAS from the layer step (three GEMMs, a split-K reduce, a workspace memset) and
 the `cat`, add and cast around them: on the lent hosts each library path costs its cold-cache
-penalty per use (BENCHMARKS.md, "Why an op costs more inside the eager step"), and the routing
+penalty per use (BENCHMARKS.md, "Cold host caches"), and the routing
 kernels are Triton launches the step makes anyway. Cost accepted: the fp32 sums run in another
-order than cuBLAS's (equal to fp32 rounding; bitwise run to run), and the weight gradient makes
-one more Triton launch.
+order than cuBLAS's (equal to fp32 rounding; bitwise run to run), the weight gradient makes one
+more Triton launch, and with few tokens (64 blocks at 2048) the per-block GEMMs use too few
+programs: up to 7% more device time there in a CUDA graph, where no host cost is left to save.
 """
 
 from __future__ import annotations
@@ -117,8 +118,10 @@ def _gate_weight_grad_kernel(grad_split_ptr, hidden_ptr, partial_ptr, arrivals_p
         acc = tl.dot(tl.trans(lo), x, acc)
     tile = experts[:, None].to(tl.int64) * H + cols[None, :]
     tl.store(partial_ptr + split * E * H + tile, acc, mask=(experts[:, None] < E) & (cols[None, :] < H))
-    # acq_rel: this program's partial is visible to whichever program sees the count it leaves
-    arrived = tl.atomic_add(arrivals_ptr + h_block, 1, sem="acq_rel")
+    # Every thread's part of the partial is stored (the barrier) before one thread's release
+    # publishes the arrival; the program that sees the last count acquires them all.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + h_block, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:  # the last of this H block: sum the splits in split order
         total = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
         for s in range(SPLITS):

@@ -57,9 +57,32 @@ def _softmax_rows(logits, keep):
 
 
 @triton.jit
+def _aux_loss_when_last(score_sums_ptr, counts_ptr, arrivals_ptr, aux_ptr, aux_scale, num_blocks, E, experts,
+                        AUX_ROWS: tl.constexpr):
+    """aux = aux_scale * sum_e (sum over blocks of score_sums[b, e]) * counts[e], formed by the block
+    that arrives last, when every block's sums and count atomics are in. It sums AUX_ROWS blocks per
+    load, in block order (the same bits whichever block is last). The arrival counter is a zeroed
+    element of the counts' buffer, fresh every launch."""
+    tl.debug_barrier()  # every thread's stores and count atomics before the release
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_blocks - 1:
+        sums = tl.zeros_like(experts).to(tl.float32)
+        rows = tl.arange(0, AUX_ROWS)
+        for first in range(0, num_blocks, AUX_ROWS):  # AUX_ROWS blocks' sums per load, not one dependent load each
+            block_rows = first + rows
+            tile = tl.load(score_sums_ptr + block_rows[:, None] * E + experts[None, :],
+                           mask=(block_rows[:, None] < num_blocks) & (experts[None, :] < E), other=0.0,
+                           cache_modifier=".cg")
+            sums += tl.sum(tile, axis=0)
+        counts = tl.load(counts_ptr + experts, mask=experts < E, other=0, cache_modifier=".cg").to(tl.float32)
+        tl.store(aux_ptr, tl.sum(sums * counts, axis=0) * aux_scale)
+
+
+@triton.jit
 def _router_topk_kernel(logits_ptr, hidden_ptr, weight_ptr, map_ptr, top_idx_ptr, top_probs_ptr, counts_ptr, hist_ptr,
-                        nonfinite_ptr, score_sums_ptr, T, E, H, scale, K: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
-                        SCORE_SUMS: tl.constexpr, PROBS_DTYPE: tl.constexpr, GATE: tl.constexpr,
+                        nonfinite_ptr, score_sums_ptr, arrivals_ptr, aux_ptr, T, E, H, scale, aux_scale, num_blocks,
+                        K: tl.constexpr, PRE_SOFTMAX: tl.constexpr, SCORE_SUMS: tl.constexpr,
+                        AUX_LOSS: tl.constexpr, PROBS_DTYPE: tl.constexpr, GATE: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     block = tl.program_id(0)
     if GATE:  # logits computed here from the tokens and the weight, and stored for the backward
@@ -86,6 +109,9 @@ def _router_topk_kernel(logits_ptr, hidden_ptr, weight_ptr, map_ptr, top_idx_ptr
     if SCORE_SUMS:
         scores = _softmax_rows(logits, inside)
         tl.store(score_sums_ptr + block * E + experts, tl.sum(scores, axis=0), mask=experts < E)
+        if AUX_LOSS:  # the last block to arrive forms the loss from every block's sums and the final counts
+            _aux_loss_when_last(score_sums_ptr, counts_ptr, arrivals_ptr, aux_ptr, aux_scale, num_blocks, E, experts,
+                                32)
 
 
 @triton.jit
@@ -127,44 +153,52 @@ def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_aux_ptr
 
 
 def router_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scale: float = 1.0,
-                score_sums: bool = False) -> dict:
+                score_sums: bool = False, aux_scale: float | None = None) -> dict:
     """[T, E] logits -> dict of routing_map [T, E] bool, top_idx [T, K] int32 ascending, top_probs
-    [T, K] fp32, counts [E] int32, hist [B, E] int32, nonfinite [] int32 and, with `score_sums`,
-    score_sums [E] fp32 (sum over tokens of the full softmax). Not differentiable; see
-    megatron_ext.moe.fused_router for the autograd wrapper."""
-    return _route(logits, None, None, topk, pre_softmax, scale, score_sums)
+    [T, K] fp32, counts [E] int32, hist [B, E] int32, nonfinite [] int32, with `score_sums`
+    score_sums [E] fp32 (sum over tokens of the full softmax), and with `aux_scale` aux_loss []
+    fp32 = aux_scale * sum(score_sums * counts), formed in the same launch (Megatron's switch
+    load-balancing loss of these counts; its score sums summed per block, then in block order).
+    Not differentiable; see megatron_ext.moe.fused_router for the autograd wrapper."""
+    return _route(logits, None, None, topk, pre_softmax, scale, score_sums, aux_scale)
 
 
 def gate_router_topk(hidden: torch.Tensor, weight: torch.Tensor, topk: int, pre_softmax: bool = False,
-                     scale: float = 1.0, score_sums: bool = False) -> dict:
+                     scale: float = 1.0, score_sums: bool = False, aux_scale: float | None = None) -> dict:
     """router_topk of the fp32 logits of bf16 tokens [T, H] and router weight [E, H], the gating GEMM
     in the same kernel; the dict also holds those logits [T, E] fp32 (the backward's input)."""
     logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
-    out = _route(logits, hidden.contiguous(), weight.contiguous(), topk, pre_softmax, scale, score_sums)
+    out = _route(logits, hidden.contiguous(), weight.contiguous(), topk, pre_softmax, scale, score_sums, aux_scale)
     out["logits"] = logits
     return out
 
 
-def _route(logits, hidden, weight, topk, pre_softmax, scale, score_sums) -> dict:
+def _route(logits, hidden, weight, topk, pre_softmax, scale, score_sums, aux_scale) -> dict:
     """One routing launch; with `hidden` and `weight` the kernel computes `logits` (its output)."""
     num_tokens, num_experts = logits.shape
     device = logits.device
     gate = hidden is not None
+    aux = aux_scale is not None
     routing_map = torch.empty(num_tokens, num_experts, dtype=torch.bool, device=device)
-    top_idx, top_probs, counts_and_nonfinite, hist = selection_outputs(num_tokens, num_experts, topk, device)
+    # the counters after the counts: the non-finite count, then the aux loss's arrival count
+    top_idx, top_probs, counters, hist = selection_outputs(num_tokens, num_experts, topk, device, counters=2)
     blocks = hist.shape[0]
-    partial_sums = torch.empty(blocks if score_sums else 1, num_experts, dtype=torch.float32, device=device)
+    sums = score_sums or aux
+    partial_sums = torch.empty(blocks if sums else 1, num_experts, dtype=torch.float32, device=device)
+    aux_loss = partial_sums  # never written without `aux`
+    if aux:  # no tokens, no program: the loss of no tokens is 0
+        aux_loss = (torch.empty if blocks else torch.zeros)((), dtype=torch.float32, device=device)
     block_e = gate_block_e(num_experts) if gate else triton.next_power_of_2(num_experts)
     _router_topk_kernel[(blocks,)](
         logits, hidden if gate else logits, weight if gate else logits, routing_map.view(torch.int8), top_idx,
-        top_probs, counts_and_nonfinite, hist, counts_and_nonfinite[num_experts:], partial_sums, num_tokens,
-        num_experts, hidden.shape[1] if gate else 0, float(scale), K=topk, PRE_SOFTMAX=pre_softmax,
-        SCORE_SUMS=score_sums, PROBS_DTYPE=_TL_DTYPES[logits.dtype], GATE=gate, BLOCK_T=BLOCK_TOKENS,
-        BLOCK_E=block_e, BLOCK_H=GateTiles.for_experts(num_experts).logits_block_h,
+        top_probs, counters, hist, counters[num_experts:], partial_sums, counters[num_experts + 1:], aux_loss,
+        num_tokens, num_experts, hidden.shape[1] if gate else 0, float(scale), float(aux_scale or 0.0), blocks,
+        K=topk, PRE_SOFTMAX=pre_softmax, SCORE_SUMS=sums, AUX_LOSS=aux, PROBS_DTYPE=_TL_DTYPES[logits.dtype],
+        GATE=gate, BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, BLOCK_H=GateTiles.for_experts(num_experts).logits_block_h,
         num_warps=4 if block_e <= 128 else 8, num_stages=GEMM_STAGES)
     return {"routing_map": routing_map, "top_idx": top_idx, "top_probs": top_probs,
-            "counts": counts_and_nonfinite[:num_experts], "hist": hist, "nonfinite": counts_and_nonfinite[num_experts],
-            "score_sums": partial_sums.sum(0) if score_sums else None}
+            "counts": counters[:num_experts], "hist": hist, "nonfinite": counters[num_experts],
+            "score_sums": partial_sums.sum(0) if score_sums else None, "aux_loss": aux_loss if aux else None}
 
 
 def router_topk_backward(logits: torch.Tensor, routing_map: torch.Tensor, grad_top_probs: torch.Tensor | None,

@@ -67,20 +67,24 @@ class _Routing(torch.autograd.Function):
         ctx.input_shape = hidden.shape  # [..., H] tokens flattened here, not by a view node before the call
         hidden = hidden.reshape(-1, hidden.shape[-1])
         ctx.gate_in_kernel = gemms_in_kernel
+        # The loss in the routing launch, unless its counts are summed over a group first.
+        group_counts = aux is not None and aux.group is not None and aux.group.size() > 1
+        sums = dict(score_sums=group_counts, aux_scale=aux.scale if aux is not None and not group_counts else None)
         if gemms_in_kernel:  # the gating GEMM inside the routing kernel (kernels/router_gate.py)
-            out = gate_router_topk(hidden, weight, topk, pre_softmax, scale, score_sums=aux is not None)
+            out = gate_router_topk(hidden, weight, topk, pre_softmax, scale, **sums)
             logits = out["logits"]
         else:
             logits = _gate(hidden, weight, logits_dtype)
-            out = router_topk(logits, topk, pre_softmax, scale, score_sums=aux is not None)
+            out = router_topk(logits, topk, pre_softmax, scale, **sums)
         tokens_per_expert = out["counts"]
         if aux is None:
             aux_loss = logits.new_zeros(0)
-        else:
-            if aux.group is not None and aux.group.size() > 1:  # in place: the route map keeps its own counts
-                tokens_per_expert = tokens_per_expert.clone()
-                torch.distributed.all_reduce(tokens_per_expert, group=aux.group)
+        elif group_counts:  # in place: the route map keeps its own counts
+            tokens_per_expert = tokens_per_expert.clone()
+            torch.distributed.all_reduce(tokens_per_expert, group=aux.group)
             aux_loss = torch.sum(out["score_sums"] * tokens_per_expert) * aux.scale
+        else:
+            aux_loss = out["aux_loss"]
         ctx.save_for_backward(hidden, weight, logits, out["routing_map"], tokens_per_expert)
         ctx.topk, ctx.pre_softmax, ctx.scale, ctx.aux = topk, pre_softmax, scale, aux
         ctx.set_materialize_grads(False)

@@ -101,8 +101,8 @@ def test_fused_router_without_aux_loss_in_eval():
                                                         (2048, 256, 1024, 8)])
 def test_gating_gemms_in_the_routing_kernels_equal_their_torch_form(tokens, experts, hidden, topk):
     """kernels/router_gate.py on the GPU against cuBLAS: logits against the fp32-output GEMM; the
-    routes of those logits (probabilities and score sums to fp32 rounding: the softmax reduces the
-    logits in the GEMM's register layout, in another order); the token and weight gradients
+    routes of those logits (probabilities, score sums and the load-balancing loss to fp32 rounding:
+    the softmax reduces the logits in the GEMM's register layout, in another order); the token and weight gradients
     against _split_gating_grads to one bf16 rounding; three backward calls bitwise equal (the
     weight gradient's splits are summed in a fixed order, and its arrival counters are cleared by
     every call, on reused allocator memory)."""
@@ -121,6 +121,9 @@ def test_gating_gemms_in_the_routing_kernels_equal_their_torch_form(tokens, expe
         assert torch.equal(out[name], ref[name]), name
     for name in ("top_probs", "score_sums"):
         torch.testing.assert_close(out[name], ref[name], rtol=4e-7, atol=0, msg=lambda m: f"{name}\n{m}")
+    for _ in range(3):  # the load-balancing loss formed by the block that arrives last, against torch's form
+        fused_loss = gate_router_topk(x, weight, topk, aux_scale=1e-3)["aux_loss"]
+        torch.testing.assert_close(fused_loss, (ref["score_sums"] * ref["counts"]).sum() * 1e-3, rtol=2e-6, atol=0)
     runs = [router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, False, 1.0,
                                  gate=(x, weight)) for _ in range(3)]
     for run in runs[1:]:

@@ -155,7 +155,8 @@ def check_gate_in_kernel() -> None:
     and token and weight gradients against _split_gating_grads to one bf16 rounding. Shapes with
     ragged token blocks, hidden sizes that are not multiples of the GEMM tile, fewer experts than
     tl.dot's 16, several token splits of the weight gradient, and no tokens at all; twice each,
-    bitwise equal (the splits are summed in a fixed order)."""
+    bitwise equal (the splits are summed in a fixed order). The load-balancing loss formed in the
+    routing launch (both kernels) against the torch form of the score sums and counts."""
     from megatron_ext.kernels.router_topk import gate_router_topk, router_topk, router_topk_backward
     from megatron_ext.moe.fused_router import _split_gating_grads
 
@@ -176,6 +177,10 @@ def check_gate_in_kernel() -> None:
             assert torch.equal(out[name], ref[name]), f"{case}: {name}"
         for name in ("top_probs", "score_sums"):  # on a GPU the softmax's sums run in another order
             torch.testing.assert_close(out[name], ref[name], rtol=4e-7, atol=0, msg=lambda m: f"{case}: {name}\n{m}")
+        for fused_loss in (gate_router_topk(hidden, weight, topk, pre_softmax, 1.5, aux_scale=0.3)["aux_loss"],
+                           router_topk(out["logits"], topk, pre_softmax, 1.5, aux_scale=0.3)["aux_loss"]):
+            want_loss = (ref["score_sums"] * ref["counts"]).sum() * 0.3  # the loss formed by torch before
+            torch.testing.assert_close(fused_loss, want_loss, rtol=1e-6, atol=0, msg=lambda m: f"{case}: aux\n{m}")
         grads = [router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, pre_softmax, 1.5,
                                       gate=(hidden, weight)) for _ in range(2)]
         for first, again in zip(*grads):
