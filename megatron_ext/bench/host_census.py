@@ -26,7 +26,7 @@ ROWWISE_TARGETS = (
     ("megatron_ext.moe.fused_router", "_gate"),
     ("megatron_ext.moe.fused_router", "_split_gating_grads"),
     ("megatron_ext.kernels.router_topk", "gate_router_topk"),
-    ("megatron_ext.kernels.router_topk", "router_topk_backward"),
+    ("megatron_ext.kernels.router_topk", "gate_router_topk_backward"),
     ("megatron_ext.kernels.router_topk", "gate_weight_grad"),  # the name router_topk calls
     ("megatron_ext.moe.fused_routes", "route"),
     ("megatron_ext.kernels.route_plan", "plan_and_place"),

@@ -203,38 +203,51 @@ def _route(logits, hidden, weight, topk, pre_softmax, scale, score_sums, aux_sca
 
 def router_topk_backward(logits: torch.Tensor, routing_map: torch.Tensor, grad_top_probs: torch.Tensor | None,
                          grad_aux: tuple[torch.Tensor, torch.Tensor, float] | None, topk: int, pre_softmax: bool,
-                         scale: float, split: bool = False, gate: tuple[torch.Tensor, torch.Tensor] | None = None):
+                         scale: float, split: bool = False) -> torch.Tensor:
     """Gradient of router_topk's top_probs and of the load-balancing loss -> the logits' gradient.
 
     grad_aux = (d loss / d aux [] fp32, counts [E], aux scale) for aux = aux_scale * sum(score_sums * counts).
     Returns [T, E] in the logits' dtype, or with `split` [T, 2E] bf16 holding hi = bf16(g) and
-    lo = bf16(g - hi) side by side: g to ~16 mantissa bits for two bf16 GEMMs with fp32 accumulation.
-    With `gate` = (bf16 tokens [T, H], router weight [E, H]) (gate_router_topk's forward), returns
-    the gating GEMMs' gradients instead: (d tokens [T, H], d weight [E, H]), both bf16."""
+    lo = bf16(g - hi) side by side: g to ~16 mantissa bits for two bf16 GEMMs with fp32 accumulation."""
+    return _route_backward(logits, routing_map, grad_top_probs, grad_aux, topk, pre_softmax, scale, split)[0]
+
+
+def gate_router_topk_backward(logits: torch.Tensor, routing_map: torch.Tensor, grad_top_probs: torch.Tensor | None,
+                              grad_aux: tuple[torch.Tensor, torch.Tensor, float] | None, topk: int, pre_softmax: bool,
+                              scale: float, hidden: torch.Tensor, weight: torch.Tensor):
+    """Gradient of gate_router_topk's top_probs and of the load-balancing loss -> the gating GEMMs'
+    gradients (d tokens [T, H], d weight [E, H]), both bf16, for its bf16 tokens and router weight:
+    the tokens' in the routing backward's launch, the weight's in one more (router_gate.py)."""
+    grad_split, grad_hidden, arrivals = _route_backward(logits, routing_map, grad_top_probs, grad_aux, topk,
+                                                        pre_softmax, scale, True, hidden, weight)
+    return grad_hidden, gate_weight_grad(grad_split, hidden, arrivals)
+
+
+def _route_backward(logits, routing_map, grad_top_probs, grad_aux, topk, pre_softmax, scale, split,
+                    hidden=None, weight=None):
+    """One routing backward launch -> (the logits' gradient, d tokens, the weight gradient's arrival
+    counters); with `hidden` and `weight` the kernel also forms d tokens and clears the counters."""
     num_tokens, num_experts = logits.shape
-    if split or gate is not None:
+    gate = hidden is not None
+    if split:
         grad = torch.empty(num_tokens, 2 * num_experts, dtype=torch.bfloat16, device=logits.device)
     else:
         grad = torch.empty_like(logits)
     dummy = logits  # never read: the HAS_* or GATE flag is off
-    hidden, weight = gate if gate is not None else (dummy, dummy)
-    grad_hidden = torch.empty_like(hidden) if gate is not None else dummy
-    num_arrivals = arrival_blocks(hidden.shape[1]) if gate is not None else 0
+    grad_hidden = torch.empty_like(hidden) if gate else dummy
+    num_arrivals = arrival_blocks(hidden.shape[1]) if gate else 0
     arrivals = torch.empty(max(num_arrivals, 1), dtype=torch.int32, device=logits.device)
-    block_e = gate_block_e(num_experts) if gate is not None else triton.next_power_of_2(num_experts)
+    block_e = gate_block_e(num_experts) if gate else triton.next_power_of_2(num_experts)
     grad_aux_loss, counts, aux_scale = grad_aux if grad_aux is not None else (dummy, dummy, 0.0)
     blocks = triton.cdiv(num_tokens, BLOCK_TOKENS)
-    if gate is not None:  # program 0 clears the weight gradient's arrival counters, even with no tokens
+    if gate:  # program 0 clears the weight gradient's arrival counters, even with no tokens
         blocks = max(blocks, 1)
     _router_topk_backward_kernel[(blocks,)](
         logits, routing_map.view(torch.int8),
         grad_top_probs.contiguous() if grad_top_probs is not None else dummy, grad_aux_loss, counts, grad,
-        weight, grad_hidden, arrivals, num_tokens, num_experts, hidden.shape[1] if gate is not None else 0,
+        weight if gate else dummy, grad_hidden, arrivals, num_tokens, num_experts, hidden.shape[1] if gate else 0,
         num_arrivals, float(scale), float(aux_scale), K=topk, PRE_SOFTMAX=pre_softmax,
-        HAS_GRAD_TOP=grad_top_probs is not None, HAS_GRAD_AUX=grad_aux is not None,
-        SPLIT=split or gate is not None, GATE=gate is not None, BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e,
-        BLOCK_H=GateTiles.for_experts(num_experts).token_grad_block_h, num_warps=4 if block_e <= 128 else 8,
-        num_stages=GEMM_STAGES - 1)
-    if gate is None:
-        return grad
-    return grad_hidden, gate_weight_grad(grad, hidden, arrivals)
+        HAS_GRAD_TOP=grad_top_probs is not None, HAS_GRAD_AUX=grad_aux is not None, SPLIT=split, GATE=gate,
+        BLOCK_T=BLOCK_TOKENS, BLOCK_E=block_e, BLOCK_H=GateTiles.for_experts(num_experts).token_grad_block_h,
+        num_warps=4 if block_e <= 128 else 8, num_stages=GEMM_STAGES - 1)
+    return grad, grad_hidden, arrivals

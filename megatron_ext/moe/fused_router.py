@@ -94,7 +94,7 @@ class _Routing(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_top_probs, grad_aux_loss, *unused):
-        from megatron_ext.kernels.router_topk import router_topk_backward
+        from megatron_ext.kernels.router_topk import gate_router_topk_backward, router_topk_backward
 
         if ctx.aux is None:
             grad_aux_loss = None
@@ -103,8 +103,8 @@ class _Routing(torch.autograd.Function):
         hidden, weight, logits, routing_map, tokens_per_expert = ctx.saved_tensors
         grad_aux = None if grad_aux_loss is None else (grad_aux_loss.float(), tokens_per_expert, ctx.aux.scale)
         if ctx.gate_in_kernel:  # both gating gradients from Triton (kernels/router_gate.py)
-            grad_hidden, grad_weight = router_topk_backward(logits, routing_map, grad_top_probs, grad_aux, ctx.topk,
-                                                            ctx.pre_softmax, ctx.scale, gate=(hidden, weight))
+            grad_hidden, grad_weight = gate_router_topk_backward(logits, routing_map, grad_top_probs, grad_aux,
+                                                                 ctx.topk, ctx.pre_softmax, ctx.scale, hidden, weight)
             return grad_hidden.view(ctx.input_shape), grad_weight, None, None, None, None, None, None
         split = _split_gradient(hidden, weight, logits.dtype)
         grad_logits = router_topk_backward(logits, routing_map, grad_top_probs, grad_aux, ctx.topk,

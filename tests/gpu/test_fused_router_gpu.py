@@ -106,7 +106,8 @@ def test_gating_gemms_in_the_routing_kernels_equal_their_torch_form(tokens, expe
     against _split_gating_grads to one bf16 rounding; three backward calls bitwise equal (the
     weight gradient's splits are summed in a fixed order, and its arrival counters are cleared by
     every call, on reused allocator memory)."""
-    from megatron_ext.kernels.router_topk import gate_router_topk, router_topk, router_topk_backward
+    from megatron_ext.kernels.router_topk import (gate_router_topk, gate_router_topk_backward, router_topk,
+                                                  router_topk_backward)
     from megatron_ext.moe.fused_router import _mm_fp32, _split_gating_grads
 
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -124,8 +125,8 @@ def test_gating_gemms_in_the_routing_kernels_equal_their_torch_form(tokens, expe
     for _ in range(3):  # the load-balancing loss formed by the block that arrives last, against torch's form
         fused_loss = gate_router_topk(x, weight, topk, aux_scale=1e-3)["aux_loss"]
         torch.testing.assert_close(fused_loss, (ref["score_sums"] * ref["counts"]).sum() * 1e-3, rtol=2e-6, atol=0)
-    runs = [router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, False, 1.0,
-                                 gate=(x, weight)) for _ in range(3)]
+    runs = [gate_router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, False, 1.0,
+                                      x, weight) for _ in range(3)]
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), "not bitwise equal run to run"
     split = router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, False, 1.0, split=True)

@@ -157,7 +157,8 @@ def check_gate_in_kernel() -> None:
     tl.dot's 16, several token splits of the weight gradient, and no tokens at all; twice each,
     bitwise equal (the splits are summed in a fixed order). The load-balancing loss formed in the
     routing launch (both kernels) against the torch form of the score sums and counts."""
-    from megatron_ext.kernels.router_topk import gate_router_topk, router_topk, router_topk_backward
+    from megatron_ext.kernels.router_topk import (gate_router_topk, gate_router_topk_backward, router_topk,
+                                                  router_topk_backward)
     from megatron_ext.moe.fused_router import _split_gating_grads
 
     gen = torch.Generator().manual_seed(5)
@@ -181,8 +182,8 @@ def check_gate_in_kernel() -> None:
                            router_topk(out["logits"], topk, pre_softmax, 1.5, aux_scale=0.3)["aux_loss"]):
             want_loss = (ref["score_sums"] * ref["counts"]).sum() * 0.3  # the loss formed by torch before
             torch.testing.assert_close(fused_loss, want_loss, rtol=1e-6, atol=0, msg=lambda m: f"{case}: aux\n{m}")
-        grads = [router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, pre_softmax, 1.5,
-                                      gate=(hidden, weight)) for _ in range(2)]
+        grads = [gate_router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, pre_softmax,
+                                           1.5, hidden, weight) for _ in range(2)]
         for first, again in zip(*grads):
             assert torch.equal(first, again), f"{case}: not bitwise equal run to run"
         split = router_topk_backward(out["logits"], out["routing_map"], grad_top, grad_aux, topk, pre_softmax, 1.5,
