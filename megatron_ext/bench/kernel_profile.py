@@ -88,7 +88,7 @@ def device_gaps(intervals: list[tuple[float, float, str]], iters: int, top: int 
     gaps.sort(key=lambda gap: -gap[0])
     return {"span_ms_per_iter": span / 1e3 / iters, "busy_ms_per_iter": busy / 1e3 / iters,
             "idle_ms_per_iter": (span - busy) / 1e3 / iters, "gaps_per_iter": len(gaps) / iters,
-            "top_gaps": [{"us": us, "after": before, "before": after} for us, before, after in gaps[:top]]}
+            "top_gaps": [{"us": us, "after": ended, "before": started} for us, ended, started in gaps[:top]]}
 
 
 def _innermost_op(event, host_ops) -> str:

@@ -128,14 +128,13 @@ def _gate_weight_grad_kernel(grad_split_ptr, hidden_ptr, partial_ptr, arrivals_p
             total += tl.load(partial_ptr + s * E * H + tile, mask=(experts[:, None] < E) & (cols[None, :] < H),
                              other=0.0, cache_modifier=".cg")
         tl.store(grad_weight_ptr + tile, total.to(tl.bfloat16), mask=(experts[:, None] < E) & (cols[None, :] < H))
-        tl.store(arrivals_ptr + h_block, 0)  # left cleared: a second backward of this graph counts from zero
 
 
 def gate_weight_grad(grad_split: torch.Tensor, hidden: torch.Tensor, arrivals: torch.Tensor) -> torch.Tensor:
     """d weight [E, H] bf16 = (hi + lo)^T @ tokens, fp32 sums, one rounding. `grad_split` is the
     routing backward's [T, 2E] bf16 (hi | lo), `hidden` the [T, H] bf16 tokens, `arrivals`
-    arrival_blocks(H) int32 zeros (the routing backward kernel clears them, so this costs no fill
-    launch; the kernel leaves them cleared)."""
+    arrival_blocks(H) int32 zeros (the routing backward kernel clears them just before, so this
+    costs no fill launch; the counts are left at the number of splits)."""
     num_tokens, hidden_size = hidden.shape
     num_experts = grad_split.shape[1] // 2
     tiles = GateTiles.for_experts(num_experts)

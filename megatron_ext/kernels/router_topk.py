@@ -9,7 +9,8 @@ Forward, per block of BLOCK_TOKENS tokens, from the router logits [T, E]:
             the [T, E] routing map, top-k ids ascending, their probs (fp32), per-expert counts,
             per-block histograms, the count of non-finite selected probs
   aux       per-block sums of the full softmax over tokens, [B, E] (the load-balancing loss's
-            P_i before the final sum; summed by torch so the order is fixed)
+            P_i before the final sum), and the loss itself, formed by the block that arrives last
+            from those sums in block order and the final counts (`aux_scale`)
 Backward, one kernel: the logits' gradient from the top-k probs' gradient (softmax over the
 selected logits, or the full softmax when pre-softmax) plus the load-balancing loss's gradient
 (full softmax), in fp32 or split into bf16 hi and lo halves for the gating GEMMs.
@@ -142,7 +143,7 @@ def _router_topk_backward_kernel(logits_ptr, map_ptr, grad_top_ptr, grad_aux_ptr
         row = tokens[:, None].to(tl.int64) * (2 * E) + experts[None, :]
         tl.store(grad_logits_ptr + row, hi, mask=inside)
         tl.store(grad_logits_ptr + row + E, lo, mask=inside)
-        if GATE:  # the tokens' gradient here; the weight's in router_gate.gate_weight_grad, which
+        if GATE:  # the tokens' gradient here; the weight's in router_gate.gate_weight_grad, next on the stream
             gate_token_grad(hi, lo, weight_ptr, grad_hidden_ptr, tokens, experts, T, E, H, BLOCK_H)
             if tl.program_id(0) == 0:  # counts arrivals from zero (stream order: it runs after this kernel)
                 for start in range(0, num_arrivals, BLOCK_E):
@@ -236,7 +237,7 @@ def _route_backward(logits, routing_map, grad_top_probs, grad_aux, topk, pre_sof
     dummy = logits  # never read: the HAS_* or GATE flag is off
     grad_hidden = torch.empty_like(hidden) if gate else dummy
     num_arrivals = arrival_blocks(hidden.shape[1]) if gate else 0
-    arrivals = torch.empty(max(num_arrivals, 1), dtype=torch.int32, device=logits.device)
+    arrivals = torch.empty(num_arrivals, dtype=torch.int32, device=logits.device) if gate else dummy
     block_e = gate_block_e(num_experts) if gate else triton.next_power_of_2(num_experts)
     grad_aux_loss, counts, aux_scale = grad_aux if grad_aux is not None else (dummy, dummy, 0.0)
     blocks = triton.cdiv(num_tokens, BLOCK_TOKENS)

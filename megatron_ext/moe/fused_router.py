@@ -11,7 +11,8 @@ Cost removed: ~30 launches and ~15 autograd nodes per layer step (1.3-1.8 ms of 
 Megatron's to fp32 rounding, not bitwise (the backward's gating GEMMs with bf16 tokens: to one
 bf16 rounding, _split_gating_grads). With bf16 tokens and an fp32 router the gating GEMMs
 themselves run in the routing kernels (kernels/router_gate.py; `MoEExtConfig.router_gemms`),
-so the layer step makes no cuBLAS call. Configurations it does not fuse (`unfused_reasons`),
+so the layer step makes no cuBLAS call (up to 256 experts; `router_gemms="cublas"` keeps
+cuBLAS). Configurations it does not fuse (`unfused_reasons`),
 padded batches and CPU tensors run TopKRouter.forward unchanged, and the dispatcher takes either.
 Installed by megatron_ext.specs for the rowwise dispatcher (`MoEExtConfig.fused_router`). Written
 against megatron-core 0.19.2 (transformer/moe/router.py).
@@ -67,6 +68,8 @@ class _Routing(torch.autograd.Function):
         ctx.input_shape = hidden.shape  # [..., H] tokens flattened here, not by a view node before the call
         hidden = hidden.reshape(-1, hidden.shape[-1])
         ctx.gate_in_kernel = gemms_in_kernel
+        if gemms_in_kernel:  # the kernels read row-major [T, H] and [E, H]; the backward reads what is saved
+            hidden, weight = hidden.contiguous(), weight.contiguous()
         # The loss in the routing launch, unless its counts are summed over a group first.
         group_counts = aux is not None and aux.group is not None and aux.group.size() > 1
         sums = dict(score_sums=group_counts, aux_scale=aux.scale if aux is not None and not group_counts else None)
@@ -127,8 +130,8 @@ def _gate_in_kernel(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: to
 
 def _split_gradient(hidden: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype) -> bool:
     """bf16 tokens and weight with fp32 logits: the backward GEMMs take the logits' gradient as
-    bf16 hi + lo instead of upcasting the tokens and the weight, and all three gating GEMMs run in
-    the routing kernels (kernels/router_gate.py); _split_gating_grads is their torch form."""
+    bf16 hi + lo instead of upcasting the tokens and the weight: in the routing kernels
+    (kernels/router_gate.py) when _gate_in_kernel allows, else cuBLAS (_split_gating_grads)."""
     return hidden.dtype == weight.dtype == torch.bfloat16 and logits_dtype == torch.float32
 
 
