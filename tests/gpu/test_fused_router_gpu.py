@@ -86,6 +86,25 @@ def test_router_gemms_setting_reaches_the_router_and_both_places_agree():
         assert_close(got[name], want[name], rtol, f"router GEMMs in Triton vs cuBLAS: {name}")
 
 
+def test_more_experts_than_the_tiles_hold_keep_cublas():
+    """Above router_gate.MAX_EXPERTS the gating GEMMs stay in cuBLAS (the Triton tiles would not fit
+    in shared memory): the routing runs and its gradients match the cuBLAS form asked for outright."""
+    from megatron_ext.kernels.router_gate import MAX_EXPERTS
+    from megatron_ext.moe.fused_router import fused_routing
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(512, 256, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(MAX_EXPERTS + 64, 256, device="cuda", generator=gen) * 0.05).bfloat16()
+    grads = []
+    for gemms_in_kernel in (True, False):
+        leaves = [x.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        top_probs, _, selection = fused_routing(*leaves, 8, torch.float32, gemms_in_kernel=gemms_in_kernel)
+        top_probs.square().sum().backward()
+        grads.append([selection.top_idx, top_probs.detach()] + [leaf.grad for leaf in leaves])
+    for got, want in zip(*grads):
+        assert torch.equal(got, want), "more than MAX_EXPERTS experts must take the cuBLAS path either way"
+
+
 def test_fused_router_without_aux_loss_in_eval():
     weights = MoEWeights.random(16, 256, 128, seed=6, dtype=torch.bfloat16)
     x = torch.randn(512, 1, 256, device="cuda").bfloat16()
@@ -98,7 +117,7 @@ def test_fused_router_without_aux_loss_in_eval():
 
 
 @pytest.mark.parametrize("tokens,experts,hidden,topk", [(8192, 64, 2048, 8), (1000, 20, 200, 3), (4096, 128, 4096, 8),
-                                                        (2048, 256, 1024, 8)])
+                                                        (2048, 256, 1024, 8), (300, 8, 96, 2)])
 def test_gating_gemms_in_the_routing_kernels_equal_their_torch_form(tokens, experts, hidden, topk):
     """kernels/router_gate.py on the GPU against cuBLAS: logits against the fp32-output GEMM; the
     routes of those logits (probabilities, score sums and the load-balancing loss to fp32 rounding:
