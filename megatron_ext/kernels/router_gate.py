@@ -20,6 +20,7 @@ programs: up to 7% more device time there in a CUDA graph, where no host cost is
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ MAX_EXPERTS = 256  # more experts: the tiles below would not fit in shared memor
 # memory: hidden columns per step of each GEMM loop, tokens per step of the weight gradient's
 # loop, its program count (about two waves of 132 SMs) and the loops' pipelining depth.
 WGRAD_PROGRAMS = 256
+WGRAD_BLOCK_H = 64
 GEMM_STAGES = 4
 
 
@@ -40,13 +42,13 @@ GEMM_STAGES = 4
 class GateTiles:
     logits_block_h: int
     token_grad_block_h: int
-    wgrad_block_h: int
     wgrad_block_t: int
 
     @staticmethod
+    @functools.cache  # asked for on every routing launch
     def for_experts(num_experts: int) -> "GateTiles":
         narrow = gate_block_e(num_experts) // 64 or 1  # 1, 2 or 4
-        return GateTiles(logits_block_h=128 // narrow, token_grad_block_h=256 // narrow, wgrad_block_h=64,
+        return GateTiles(logits_block_h=128 // narrow, token_grad_block_h=256 // narrow,
                          wgrad_block_t=64 // min(narrow, 2))
 
 
@@ -148,11 +150,11 @@ def gate_weight_grad(grad_split: torch.Tensor, hidden: torch.Tensor, arrivals: t
     block_e = gate_block_e(num_experts)
     _gate_weight_grad_kernel[(h_blocks, splits)](
         grad_split, hidden, partial, arrivals, grad_weight, num_tokens, num_experts, hidden_size, tokens_per_split,
-        splits, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=tiles.wgrad_block_h, num_warps=4 if block_e <= 64 else 8,
+        splits, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=WGRAD_BLOCK_H, num_warps=4 if block_e <= 64 else 8,
         num_stages=GEMM_STAGES)
     return grad_weight
 
 
 def arrival_blocks(hidden_size: int) -> int:
     """Length of gate_weight_grad's arrival counters for tokens of `hidden_size`."""
-    return triton.cdiv(hidden_size, GateTiles.for_experts(1).wgrad_block_h)
+    return triton.cdiv(hidden_size, WGRAD_BLOCK_H)

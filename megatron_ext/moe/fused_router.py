@@ -68,12 +68,12 @@ class _Routing(torch.autograd.Function):
         ctx.input_shape = hidden.shape  # [..., H] tokens flattened here, not by a view node before the call
         hidden = hidden.reshape(-1, hidden.shape[-1])
         ctx.gate_in_kernel = gemms_in_kernel
-        if gemms_in_kernel:  # the kernels read row-major [T, H] and [E, H]; the backward reads what is saved
-            hidden, weight = hidden.contiguous(), weight.contiguous()
         # The loss in the routing launch, unless its counts are summed over a group first.
         group_counts = aux is not None and aux.group is not None and aux.group.size() > 1
         sums = dict(score_sums=group_counts, aux_scale=aux.scale if aux is not None and not group_counts else None)
         if gemms_in_kernel:  # the gating GEMM inside the routing kernel (kernels/router_gate.py)
+            # the kernels read row-major [T, H] and [E, H], and the backward reads what is saved
+            hidden, weight = hidden.contiguous(), weight.contiguous()
             out = gate_router_topk(hidden, weight, topk, pre_softmax, scale, **sums)
             logits = out["logits"]
         else:
