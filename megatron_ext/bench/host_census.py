@@ -21,6 +21,14 @@ from megatron_ext.bench.measurement import synchronize
 # What the rowwise layer step runs, as (module, attribute path); Functions' forward and backward
 # are static methods. Names that a module lacks are skipped (other paths, other versions).
 ROWWISE_TARGETS = (
+    ("megatron_ext.moe.layer", "RowwiseMoELayer.eager_forward"),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer.forward"),
+    ("megatron_ext.moe.fused_router", "FusedTopKRouter.forward"),
+    ("megatron_ext.moe.dispatcher", "RowwiseTokenDispatcher.dispatch_preprocess"),
+    ("megatron_ext.moe.dispatcher", "RowwiseTokenDispatcher.token_dispatch"),
+    ("megatron_ext.moe.dispatcher", "RowwiseTokenDispatcher.dispatch_postprocess"),
+    ("megatron_ext.moe.dispatcher", "RowwiseTokenDispatcher.token_combine"),
+    ("megatron_ext.moe.experts", "DeviceOffsetGroupedMLP.forward"),
     ("megatron_ext.moe.fused_router", "_Routing.forward"),
     ("megatron_ext.moe.fused_router", "_Routing.backward"),
     ("megatron_ext.moe.fused_router", "_gate"),
@@ -44,6 +52,11 @@ ROWWISE_TARGETS = (
     ("torch", "mm"),
     ("torch", "_grouped_mm"),
     ("torch", "empty"),
+    ("torch", "zeros"),
+    ("torch", "Tensor.fill_"),
+    ("torch", "Tensor.add_"),
+    ("torch", "Tensor.new_zeros"),
+    ("triton.runtime.jit", "JITFunction.run"),
 )
 
 

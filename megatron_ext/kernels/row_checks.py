@@ -39,10 +39,12 @@ def layout(t):
     return None if t is None else (tuple(t.shape), t.dtype, t.device, t.is_contiguous())
 
 
-def check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=(), values=None, value_table=None):
+def check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=(), values=None, value_table=None,
+                 in_place: bool = False):
     """Shape/dtype/layout checks shared by the row kernels; returns (T, K, H). `per_route`: (name,
     [T, K] fp32 tensor or None) pairs; `values`: the (name, tensor) of the per-route values, which
-    come with `value_table` (the owners' [C] fp32 arrays) or not at all.
+    come with `value_table` (the owners' [C] fp32 arrays) or not at all. `in_place`: `peer_table`
+    is one rank's [C, H] rows themselves and `value_table` its [C] fp32 values (no address tables).
 
     A layout that passed once is remembered, so a training step (same shapes every call)
     pays a tuple lookup instead of ~20 checks per kernel launch.
@@ -50,16 +52,19 @@ def check_common(op, rows_like, dest_rank, dest_row, peer_table, per_route=(), v
     if values is not None:
         per_route = (*per_route, values)
     key = (op, layout(rows_like), layout(dest_rank), layout(dest_row), layout(peer_table),
-           tuple(layout(t) for _, t in per_route), layout(value_table))
+           tuple(layout(t) for _, t in per_route), layout(value_table), in_place)
     if key in VALIDATED:
         return rows_like.shape[0], dest_rank.shape[1], rows_like.shape[1]
-    shape = _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route)
-    _check_value_table(op, value_table, peer_table, None if values is None else values[1])
+    shape = _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route, in_place)
+    if in_place:
+        _check_values_in_place(op, value_table, peer_table, None if values is None else values[1])
+    else:
+        _check_value_table(op, value_table, peer_table, None if values is None else values[1])
     VALIDATED.add(key)
     return shape
 
 
-def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route=()):
+def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_route=(), in_place=False):
     require(HAVE_TRITON, f"{op}: Triton is not installed; use megatron_ext.kernels.row_transfer_ref",
              RuntimeError)
     require(rows_like.dim() == 2, f"{op}: rows must be [T, H], got shape {tuple(rows_like.shape)}")
@@ -72,10 +77,15 @@ def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_r
     require(dest_rank.shape == dest_row.shape,
              f"{op}: dest_rank {tuple(dest_rank.shape)} and dest_row {tuple(dest_row.shape)} differ in shape")
     K = dest_rank.shape[1]
-    require(peer_table.dtype == torch.int64, f"{op}: peer_table must be int64 base addresses, got "
-             f"{peer_table.dtype}; build it with peer_table_from_buffers", TypeError)
-    require(peer_table.dim() == 1 and peer_table.numel() > 0,
-             f"{op}: peer_table must be a non-empty 1-D [M] tensor, got shape {tuple(peer_table.shape)}")
+    if in_place:  # the source rows themselves
+        require(peer_table.dim() == 2 and peer_table.shape[1] == H and peer_table.dtype in BUFFER_DTYPES,
+                 f"{op}: in place, the source must be [C, H={H}] rows of {BUFFER_DTYPES}, got "
+                 f"{peer_table.dtype} {tuple(peer_table.shape)}")
+    else:
+        require(peer_table.dtype == torch.int64, f"{op}: peer_table must be int64 base addresses, got "
+                 f"{peer_table.dtype}; build it with peer_table_from_buffers", TypeError)
+        require(peer_table.dim() == 1 and peer_table.numel() > 0,
+                 f"{op}: peer_table must be a non-empty 1-D [M] tensor, got shape {tuple(peer_table.shape)}")
     for name, t in per_route:
         if t is None:
             continue
@@ -95,6 +105,18 @@ def check_runnable(op, rows_like):
     require(rows_like.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
              f"{op}: tensors are on {rows_like.device}; the Triton kernels need CUDA tensors (on CPU use "
              "megatron_ext.kernels.row_transfer_ref, or set TRITON_INTERPRET=1 before importing triton)")
+
+
+def _check_values_in_place(op, source_values, source_rows, values) -> None:
+    """In place: per-route values come from the source rank's own [C] fp32 values, beside its rows."""
+    require((source_values is None) == (values is None),
+             f"{op}: per-route values need both the values out and the source's [C] fp32 values; got only one")
+    if source_values is not None:
+        rows = source_rows.shape[0]
+        require(source_values.dtype == torch.float32 and source_values.shape == (rows,)
+                 and source_values.is_contiguous() and source_values.device == source_rows.device,
+                 f"{op}: in place, the source values must be a contiguous float32 [{rows}] on {source_rows.device}, "
+                 f"got {source_values.dtype} {tuple(source_values.shape)} on {source_values.device}")
 
 
 def _check_value_table(op, value_table, peer_table, values) -> None:

@@ -98,14 +98,18 @@ if triton is not None:
 
     @triton.jit
     def _route_source(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H: tl.constexpr,
-                      BUF: tl.constexpr, OWN_ROWS: tl.constexpr):
+                      BUF: tl.constexpr, OWN_ROWS: tl.constexpr, IN_PLACE: tl.constexpr):
         """(pointer to the row route reads, kept?). OWN_ROWS: row `route` of the one buffer in the
         table (a source's receive buffer, filled by put_rows_back), kept where put_rows delivered
-        the route; otherwise the route's destination row (_peer_row)."""
+        the route. IN_PLACE: `peer_table_ptr` is the one rank's rows themselves, no table. Otherwise
+        the route's destination row (_peer_row)."""
         if OWN_ROWS:
             _, _, kept = _route_target(dest_rank_ptr, dest_row_ptr, route, num_peers, capacity)
             base = tl.multiple_of(tl.load(peer_table_ptr).to(tl.pointer_type(BUF)), 16)
             return base + route * H, kept
+        elif IN_PLACE:
+            _, row, kept = _route_target(dest_rank_ptr, dest_row_ptr, route, num_peers, capacity)
+            return peer_table_ptr + tl.where(kept, row, 0).to(tl.int64) * H, kept
         else:
             return _peer_row(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H, BUF)
 
@@ -122,12 +126,12 @@ if triton is not None:
 
     @triton.jit
     def _get_route_values(value_table_ptr, dest_rank_ptr, dest_row_ptr, values_out_ptr, token, num_peers, capacity,
-                          K: tl.constexpr, OWN_ROWS: tl.constexpr):
+                          K: tl.constexpr, OWN_ROWS: tl.constexpr, IN_PLACE: tl.constexpr):
         """values_out[t, k] = the fp32 value at route (t, k)'s row of its owner's [C] value array, 0 if dropped."""
         for k in tl.static_range(K):
             route = token * K + k
             src, kept = _route_source(value_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, 1,
-                                      tl.float32, OWN_ROWS)
+                                      tl.float32, OWN_ROWS, IN_PLACE)
             tl.store(values_out_ptr + route, tl.where(kept, tl.load(src, mask=kept, other=0.0), 0.0))
 
     @triton.jit
@@ -193,7 +197,8 @@ if triton is not None:
     def _get_rows_kernel(peer_table_ptr, dest_rank_ptr, dest_row_ptr, out_ptr, weights_ptr, gathered_ptr,
                          value_table_ptr, values_out_ptr, num_peers, capacity, H: tl.constexpr, K: tl.constexpr,
                          HAS_WEIGHTS: tl.constexpr, HAS_GATHERED: tl.constexpr, HAS_VALUES: tl.constexpr,
-                         BUF: tl.constexpr, BLOCK_H: tl.constexpr, OWN_ROWS: tl.constexpr):
+                         BUF: tl.constexpr, BLOCK_H: tl.constexpr, OWN_ROWS: tl.constexpr,
+                         IN_PLACE: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -203,7 +208,7 @@ if triton is not None:
             for k in tl.static_range(K):  # unrolled: the K loads are in flight together
                 route = token * K + k
                 src, kept = _route_source(peer_table_ptr, dest_rank_ptr, dest_row_ptr, route, num_peers, capacity, H,
-                                          BUF, OWN_ROWS)
+                                          BUF, OWN_ROWS, IN_PLACE)
                 row = tl.load(src + col, mask=in_row & kept, other=0.0).to(tl.float32)
                 if HAS_WEIGHTS:
                     acc += tl.where(kept, tl.load(weights_ptr + route), 0.0) * row
@@ -214,7 +219,7 @@ if triton is not None:
             tl.store(out_ptr + token * H + col, acc.to(out_ptr.dtype.element_ty), mask=in_row)
         if HAS_VALUES:
             _get_route_values(value_table_ptr, dest_rank_ptr, dest_row_ptr, values_out_ptr, token, num_peers, capacity,
-                              K, OWN_ROWS)
+                              K, OWN_ROWS, IN_PLACE)
 
 
     @triton.jit
@@ -312,7 +317,7 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
              weights: torch.Tensor | None = None, gathered: torch.Tensor | None = None, *,
              value_table: torch.Tensor | None = None, values_out: torch.Tensor | None = None,
              capacity: int | None = None, buffer_dtype: torch.dtype | None = None, block_h: int | None = None,
-             num_warps: int | None = None, own_rows_of: int | None = None) -> torch.Tensor:
+             num_warps: int | None = None, own_rows_of: int | None = None, in_place: bool = False) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * peer[dest_rank[t, k]][dest_row[t, k]] (fp32 accumulation, weights
     None = 1, dropped routes add exactly 0); if `gathered` [T, K, H] is given, it receives every fetched
     row (0 for dropped). With `value_table` (the owners' [C] fp32 arrays) and `values_out` [T, K] fp32,
@@ -321,9 +326,11 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
     and add 0, like dropped ones. `own_rows_of` = M: the table holds one buffer, this rank's [T*K, H]
     receive buffer (and its values), and route (t, k) reads its row t * K + k, where put_rows_back
     left it, if put_rows delivered the route to one of the M ranks (return_transfer="put").
+    `in_place` (one rank): `peer_table` is that rank's [C, H] rows themselves and `value_table` its
+    [C] fp32 values, read where they are: no address table to write before the launch.
     Returns out."""
     T, K, H = check_common("get_rows", out, dest_rank, dest_row, peer_table, (("weights", weights),),
-                           ("values_out", values_out), value_table)
+                           ("values_out", values_out), value_table, in_place=in_place)
     buffer_dtype = out.dtype if buffer_dtype is None else buffer_dtype
     for name, dtype in (("buffer_dtype", buffer_dtype), ("out", out.dtype)):
         require(dtype in BUFFER_DTYPES, f"get_rows: {name} {dtype} not supported; use one of {BUFFER_DTYPES}",
@@ -340,6 +347,11 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
         return out
     block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
     has_values = values_out is not None
+    if in_place:
+        require(own_rows_of is None and peer_table.dtype == buffer_dtype,
+                f"get_rows: in place reads rows of buffer_dtype {buffer_dtype} (got {peer_table.dtype}), "
+                f"and not together with own_rows_of")
+        capacity = peer_table.shape[0] if capacity is None else min(capacity, peer_table.shape[0])
     if own_rows_of is not None:
         require(peer_table.numel() == 1 and capacity is not None,
                 f"get_rows: own_rows_of needs a one-entry table (this rank's receive buffer) and the owners' "
@@ -347,10 +359,11 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
     _get_rows_kernel[(T,)](peer_table, dest_rank, dest_row, out, out if weights is None else weights,
                            out if gathered is None else gathered, value_table if has_values else peer_table,
                            values_out if has_values else out,
-                           peer_table.numel() if own_rows_of is None else own_rows_of, row_bound(capacity), H, K,
+                           1 if in_place else peer_table.numel() if own_rows_of is None else own_rows_of,
+                           row_bound(capacity), H, K,
                            HAS_WEIGHTS=weights is not None, HAS_GATHERED=gathered is not None,
                            HAS_VALUES=has_values, BUF=_TL_DTYPES[buffer_dtype], BLOCK_H=block_h,
-                           num_warps=num_warps, OWN_ROWS=own_rows_of is not None)
+                           num_warps=num_warps, OWN_ROWS=own_rows_of is not None, IN_PLACE=in_place)
     return out
 
 

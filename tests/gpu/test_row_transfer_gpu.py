@@ -97,6 +97,27 @@ def test_route_values_travel_with_rows_and_come_back():
     assert torch.equal(fetched, torch.where(dest_row >= 0, probs, 0.0))
 
 
+def test_get_in_place_equals_the_table_form():
+    """One rank (the symm transport at EP=1): get_rows reading the rows and their values in place
+    gives the same bits as through one-entry address tables, at the reference shape."""
+    T, K, H, dtype = 8192, 8, 2048, torch.bfloat16
+    C, dest_rank, dest_row, _, weights = _setup(T, K, H, 1, dtype, seed=6)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows = torch.randn(C, H, device="cuda", generator=gen).to(dtype)
+    values = torch.rand(C, device="cuda", generator=gen)
+    results = []
+    for in_place in (True, False):
+        out = torch.empty(T, H, dtype=dtype, device="cuda")
+        fetched = torch.full((T, K), float("nan"), device="cuda")
+        source = (rows, values) if in_place else (peer_table_from_buffers([rows]),
+                                                  peer_table_from_buffers([values[:, None]]))
+        get_rows(source[0], dest_rank, dest_row, out, weights, value_table=source[1], values_out=fetched,
+                 capacity=C, in_place=in_place)
+        results.append((out, fetched))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][1], torch.where(dest_row >= 0, values[dest_row.clamp(min=0).long()], 0.0))
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_transfers_capture_in_cuda_graph(impl):
     """Capturing proves no host synchronization; replaying with new inputs proves nothing was baked in."""

@@ -212,6 +212,36 @@ def check_put_back(M: int, T: int, K: int, C: int, seed: int, failures: list[str
         failures.append(f"put_rows_back {name}: values differ from the brute force")
 
 
+def check_in_place(dtype, T: int, K: int, C: int, seed: int, failures: list[str]) -> None:
+    """get_rows in place (one rank, no table): the same rows, sums and per-route values as
+    through a one-entry table and as the brute force; a route at or past `capacity` reads
+    nothing, so a source longer than capacity is bounded by it."""
+    from megatron_ext.kernels.row_transfer import get_rows, peer_table_from_buffers
+
+    name = f"in place {dtype} T={T} K={K} C={C}"
+    gen = torch.Generator().manual_seed(seed)
+    dest_rank, dest_row = random_routes(T, K, 1, C, drop=0.25, seed=seed)
+    source = torch.randn(C + 4, 40, generator=gen).to(dtype)
+    values = torch.rand(C + 4, generator=gen)
+    source[C:], values[C:] = float("nan"), float("nan")  # 4 rows past capacity: a read of one shows
+    weights = torch.rand(T, K, generator=gen)
+    dest_row[0, 0], dest_rank[0, 0] = C, 0  # one route past capacity: reads nothing, adds 0
+    out, fetched = torch.empty(T, 40, dtype=dtype), torch.full((T, K), float("nan"))
+    get_rows(source, dest_rank, dest_row, out, weights, value_table=values, values_out=fetched, capacity=C,
+             in_place=True)
+    table_out, table_fetched = torch.empty(T, 40, dtype=dtype), torch.full((T, K), float("nan"))
+    get_rows(peer_table_from_buffers([source]), dest_rank, dest_row, table_out, weights,
+             value_table=peer_table_from_buffers([values[:, None]]), values_out=table_fetched, capacity=C)
+    kept_row = torch.where(dest_row < C, dest_row, -1)
+    want = brute_force_get([source], dest_rank, kept_row, torch.empty(T, 40, dtype=dtype), weights)
+    want_values = torch.where(kept_row >= 0, values[kept_row.clamp(min=0).long()], 0.0)
+    atol, rtol = tolerance(dtype)
+    if not (torch.equal(out, table_out) and torch.allclose(out.float(), want.float(), atol=atol, rtol=rtol)):
+        failures.append(f"get {name}: rows differ from the table form or the brute force")
+    if not (torch.equal(fetched, table_fetched) and torch.equal(fetched, want_values)):
+        failures.append(f"get {name}: values differ from the table form or the brute force")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
@@ -235,6 +265,9 @@ def main() -> int:
         cases += 1
     for M in (1, 2, 3):
         check_put_back(M, T=9, K=3, C=16, seed=10 + M, failures=failures)
+        cases += 1
+    for dtype in (torch.float32, torch.bfloat16):
+        check_in_place(dtype, T=9, K=3, C=16, seed=20, failures=failures)
         cases += 1
     for line in failures:
         print("MISMATCH", line)

@@ -74,7 +74,6 @@ class SymmRowTransport:
         self.poison = poison
         self.pool: LeasePool | None = None
         self.slot_source = None  # a callable returning the dispatch slot's lease instead of the pool (moe/arena.py)
-        self._local_tables: dict[str, torch.Tensor] = {}
         self._values_scratch: dict[tuple, SymmetricBuffer] = {}
         self._counts: SymmetricBuffer | None = None
         self.return_put = return_put
@@ -180,9 +179,11 @@ class SymmRowTransport:
     def combine(self, expert_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         if self.return_put:
             return self._put_back("combine", expert_out, None, route)[0]
-        source = self._gather_source("combine_source", expert_out, route)
         out = torch.empty(route.dest_row.shape[0], expert_out.shape[1], dtype=expert_out.dtype,
                           device=expert_out.device)
+        if self.world == 1:  # nobody else reads these rows: the GET reads them where they are
+            return get_rows(expert_out, route.dest_rank, route.dest_row, out, capacity=self.capacity, in_place=True)
+        source = self._gather_source("combine_source", expert_out, route)
         return get_rows(source.peer_table, route.dest_rank, route.dest_row, out, capacity=self.capacity)
 
     def combine_backward(self, grad_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
@@ -196,30 +197,29 @@ class SymmRowTransport:
     def dispatch_backward(self, grad_buffer: torch.Tensor, grad_row_probs: torch.Tensor | None, route: RouteMap):
         if self.return_put:
             return self._put_back("dispatch backward", grad_buffer, grad_row_probs, route)
-        source = self._gather_source("dispatch_grad", grad_buffer, route, grad_row_probs)
         num_tokens, topk = route.dest_row.shape
         out = torch.empty(num_tokens, grad_buffer.shape[1], dtype=grad_buffer.dtype, device=grad_buffer.device)
         grad_probs = None
         if grad_row_probs is not None:
             grad_probs = torch.empty(num_tokens, topk, dtype=torch.float32, device=grad_buffer.device)
-        get_rows(source.peer_table, route.dest_rank, route.dest_row, out, value_table=source.values_table,
-                 values_out=grad_probs, capacity=self.capacity)
+        if self.world == 1:  # read in place, as in combine
+            get_rows(grad_buffer, route.dest_rank, route.dest_row, out, value_table=grad_row_probs,
+                     values_out=grad_probs, capacity=self.capacity, in_place=True)
+        else:
+            source = self._gather_source("dispatch_grad", grad_buffer, route, grad_row_probs)
+            get_rows(source.peer_table, route.dest_rank, route.dest_row, out, value_table=source.values_table,
+                     values_out=grad_probs, capacity=self.capacity)
         return out, grad_probs
 
     def _gather_source(self, role: str, rows: torch.Tensor, route: RouteMap, values: torch.Tensor | None = None):
-        """Copy this rank's received rows (and their per-row `values`, [C] fp32) into the role's
-        symmetric scratch and fence the group.
+        """EP > 1: copy this rank's received rows (and their per-row `values`, [C] fp32) into the
+        role's symmetric scratch and fence the group.
 
         Only the rows below route.recv_offsets[-1] are copied (a device count): peers' routes
         point at no other row, so the tail, up to C - received rows, is never read. With debug
-        poison the tail holds NaN, so a read there would show. With one rank nobody else reads
-        them: point one-entry tables at `rows` and `values` instead (fill_ kernels with the
-        addresses as their scalars: no copy, no host transfer, capturable).
+        poison the tail holds NaN, so a read there would show. (With one rank nobody else reads
+        them, and the GET reads them in place: no copy, no table.)
         """
-        if self.world == 1:
-            rows_table = self._local_table(role, rows)
-            values_table = None if values is None else self._local_table(role + " values", values)
-            return SymmetricBuffer(rows, rows_table, values=values, values_table=values_table)
         source = self._scratch(role, rows) if values is None else self._scratch_with_values(role, rows)
         if self.poison:  # written in the same window as the copy: the previous readers passed a barrier
             poison(source)
@@ -252,13 +252,6 @@ class SymmRowTransport:
         if key not in self._receive:
             self._receive[key] = receive_buffer(self.heap, routes, rows_like)
         return self._receive[key]
-
-    def _local_table(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A one-entry device table of `tensor`'s address (EP=1: the GET reads the local tensor)."""
-        table = self._local_tables.get(role)
-        if table is None:
-            table = self._local_tables[role] = torch.empty(1, dtype=torch.int64, device=tensor.device)
-        return table.fill_(tensor.data_ptr())
 
     def release(self, lease) -> None:
         if lease is not None:
