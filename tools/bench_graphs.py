@@ -6,7 +6,11 @@ host submission time, and the memory the graph slots and their pool add. Same we
 inputs for both modes; by default as in training (inside Megatron's DDP, gradients into fp32
 main_grad, input from a LayerNorm), `--grads autograd` for the layer alone with plain param.grad.
 
-    python tools/bench_graphs.py [--tokens 1024,2048,4096,8192] [--slots 1]
+    python tools/bench_graphs.py [--tokens 1024,2048,4096,8192] [--slots 1] [--profile 8192]
+
+`--profile N` also profiles both modes at N tokens (torch.profiler, after the timed repeats): the
+kernels whose device time differs most between eager and graph, and each mode's device timeline
+(busy and idle time per step), to show where a graph slower than eager loses its time.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from megatron_ext.bench.cli_types import list_of, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.kernel_profile import kernel_differences, profile_kernels
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
 from megatron_ext.bench.results import write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_ddp, moe_config
@@ -91,9 +96,32 @@ def measure_pair(args, weights, tokens: int) -> dict:
     speedups = [e / g for e, g in zip(row["eager"]["step_ms_runs"], row["graph"]["step_ms_runs"])]
     row["step_speedup"] = median(speedups)
     row["step_speedup_spread"] = spread(speedups)
+    if tokens == args.profile:
+        row["profile"] = profile_pair(steps)
     del layers, steps
     torch.cuda.empty_cache()
     return row
+
+
+def profile_pair(steps: dict) -> dict:
+    """Both modes under the profiler: every kernel's device time, the timelines, the largest differences."""
+    profiles = {mode: profile_kernels(step, iters=5, top=1000) for mode, step in steps.items()}
+    timelines = {mode: {k: v for k, v in p["device_timeline"].items() if k != "top_gaps"}
+                 for mode, p in profiles.items()}
+    return {"kernel_ms_per_iter": {mode: p["kernel_ms_per_iter"] for mode, p in profiles.items()},
+            "timeline": timelines, "top_gaps": {mode: p["device_timeline"]["top_gaps"][:5]
+                                                for mode, p in profiles.items()},
+            "kernel_differences": kernel_differences(profiles["eager"], profiles["graph"], top=15)}
+
+
+def print_profile(tokens: int, profile: dict) -> None:
+    print(f"\nprofile at {tokens} tokens (ms per step):")
+    for mode, timeline in profile["timeline"].items():
+        print(f"  {mode:5s} kernels {profile['kernel_ms_per_iter'][mode]:.3f}  span {timeline['span_ms_per_iter']:.3f}"
+              f"  busy {timeline['busy_ms_per_iter']:.3f}  idle {timeline['idle_ms_per_iter']:.3f}")
+    print(f"  {'eager':>8s} {'graph':>8s} {'graph-eager':>12s}  kernel")
+    for row in profile["kernel_differences"]:
+        print(f"  {row['first_ms']:8.3f} {row['second_ms']:8.3f} {row['difference_ms']:+12.3f}  {row['name'][:90]}")
 
 
 def main():
@@ -108,7 +136,11 @@ def main():
     parser.add_argument("--grads", choices=("ddp", "autograd"), default="ddp",
                         help="ddp: grads into Megatron DDP's fp32 main_grad, as in training; autograd: param.grad")
     parser.add_argument("--repeats", type=int, default=3, help="alternating eager/graph measurements per size")
+    parser.add_argument("--profile", type=positive_int, default=None,
+                        help="token count (one of --tokens) whose eager and graph steps are also profiled")
     args = parser.parse_args()
+    if args.profile is not None and args.profile not in args.tokens:
+        parser.error(f"--profile {args.profile} must be one of --tokens {args.tokens}")
     require_cuda("tools/bench_graphs.py")
     init_single_rank_megatron()
     weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)
@@ -127,6 +159,9 @@ def main():
         print(f"{r['tokens']:7d} {r['eager']['step_ms']:9.2f} {r['graph']['step_ms']:9.2f} {r['step_speedup']:7.2f}x "
               f"{r['eager']['host_submit_ms']:11.2f} {r['graph']['host_submit_ms']:11.2f} {r['host_reduction']:8.1f}x "
               f"{r['graph_extra_mib']:9.0f} {lo:7.2f}..{hi:.2f}x")
+    for r in rows:
+        if "profile" in r:
+            print_profile(r["tokens"], r["profile"])
     print("wrote", write_result("graphs", {"args": vars(args), "rows": rows}))
 
 

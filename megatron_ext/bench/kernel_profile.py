@@ -91,6 +91,18 @@ def device_gaps(intervals: list[tuple[float, float, str]], iters: int, top: int 
             "top_gaps": [{"us": us, "after": ended, "before": started} for us, ended, started in gaps[:top]]}
 
 
+def kernel_differences(first: dict, second: dict, top: int = 12) -> list[dict]:
+    """Per kernel name, ms per iteration in two profile_kernels results (a kernel missing from one
+    counts 0 there) and second - first, the largest absolute differences first. Profile with a
+    `top` that lists every kernel, or the tail shows as missing."""
+    def by_name(result):
+        return {k["name"]: k["ms_per_iter"] for k in result["top_kernels"]}
+    a, b = by_name(first), by_name(second)
+    rows = [{"name": name, "first_ms": a.get(name, 0.0), "second_ms": b.get(name, 0.0),
+             "difference_ms": b.get(name, 0.0) - a.get(name, 0.0)} for name in {**a, **b}]
+    return sorted(rows, key=lambda row: (-abs(row["difference_ms"]), row["name"]))[:top]
+
+
 def _innermost_op(event, host_ops) -> str:
     """Name of the shortest non-runtime host op whose time range contains `event`."""
     start = event.time_range.start

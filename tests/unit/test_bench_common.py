@@ -8,7 +8,7 @@ import torch
 
 from megatron_ext.bench import repo_paths
 from megatron_ext.bench.flops import moe_model_flops
-from megatron_ext.bench.kernel_profile import device_gaps, profile_kernels
+from megatron_ext.bench.kernel_profile import device_gaps, kernel_differences, profile_kernels
 from megatron_ext.bench.measurement import host_time_ms, median
 from megatron_ext.bench.results import write_result
 
@@ -116,6 +116,20 @@ def test_device_gaps_against_a_brute_force_timeline():
     assert empty["span_ms_per_iter"] == 0.0 and empty["top_gaps"] == []
 
 
+def test_kernel_differences_by_name_largest_first():
+    def profile(**ms):
+        return {"top_kernels": [{"name": name, "ms_per_iter": value} for name, value in ms.items()]}
+    eager = profile(gemm=3.0, put=0.2, copy=0.05)
+    graph = profile(gemm=3.1, put=0.2, staging=0.04)
+    rows = kernel_differences(eager, graph, top=3)
+    assert [row["name"] for row in rows] == ["gemm", "copy", "staging"]
+    assert rows[0]["first_ms"] == 3.0 and rows[0]["second_ms"] == 3.1
+    assert abs(rows[0]["difference_ms"] - 0.1) < 1e-12
+    assert rows[1] == {"name": "copy", "first_ms": 0.05, "second_ms": 0.0, "difference_ms": -0.05}
+    assert rows[2]["difference_ms"] == 0.04
+    assert len(kernel_differences(eager, graph)) == 4  # put, unchanged, still listed
+
+
 def test_repo_paths_resolve_to_this_checkout():
     """The library computes the checkout's folders from its own file; after moving into the
     package they must still name this repository's folders."""
@@ -163,3 +177,22 @@ def test_interleaved_ms_refuses_no_rounds():
 
     with pytest.raises(ValueError, match="rounds and iters must be >= 1, got 0 and 3"):
         interleaved_ms({"a": lambda: None}, rounds=0, iters=3)
+
+
+
+def test_bench_graphs_profile_pair_and_its_printout(capsys):
+    """bench_graphs --profile: both modes profiled (CPU callables here: no device kernels, so no
+    differences), and the printout has the two timelines and one row per kernel difference."""
+    from tools.bench_graphs import print_profile, profile_pair
+
+    a = torch.randn(64, 64)
+    profile = profile_pair({"eager": lambda: a @ a, "graph": lambda: (a @ a).sort(dim=1)})
+    assert set(profile["timeline"]) == set(profile["kernel_ms_per_iter"]) == {"eager", "graph"}
+    assert profile["kernel_differences"] == []
+    profile["kernel_differences"] = [{"name": "gemm", "first_ms": 3.0, "second_ms": 3.1, "difference_ms": 0.1},
+                                     {"name": "staging copy", "first_ms": 0.0, "second_ms": 0.02,
+                                      "difference_ms": 0.02}]
+    print_profile(64, profile)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines[0] == "profile at 64 tokens (ms per step):" and len(lines) == 6
+    assert lines[4].split() == ["3.000", "3.100", "+0.100", "gemm"]
