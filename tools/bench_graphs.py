@@ -2,7 +2,8 @@
 
 For each token count: layer step time (fwd+bwd, CUDA events, median of `--repeats` alternating
 eager/graph measurements, each a median over `--iters` steps; the speedup's min..max printed),
-host submission time, and the memory the graph slots and their pool add. Same weights and
+the GPU's SM clock while each was timed (nvidia-smi samples, bench/gpu_clocks.py), host
+submission time, and the memory the graph slots and their pool add. Same weights and
 inputs for both modes; by default as in training (inside Megatron's DDP, gradients into fp32
 main_grad, input from a LayerNorm), `--grads autograd` for the layer alone with plain param.grad.
 
@@ -21,6 +22,7 @@ import torch
 
 from megatron_ext.bench.cli_types import list_of, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
+from megatron_ext.bench.gpu_clocks import ClockSampler
 from megatron_ext.bench.kernel_profile import kernel_differences, profile_kernels
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
 from megatron_ext.bench.results import write_result
@@ -84,15 +86,19 @@ def measure_pair(args, weights, tokens: int) -> dict:
     row = {"tokens": tokens, "graph_fallback": None}
     for mode, step in steps.items():
         row[mode] = {"resident_after_first_step_mib": first_step_resident_mib(step), "step_ms_runs": [],
-                     "host_submit_ms_runs": []}
+                     "host_submit_ms_runs": [], "clocks_runs": []}
     row["graph_fallback"] = layers["graph"]._graph_runner.eager_reason
     for _ in range(args.repeats):
         for mode, step in steps.items():
-            row[mode]["step_ms_runs"].append(median(cuda_time_ms(step, warmup=3, iters=args.iters)))
+            with ClockSampler(torch.cuda.current_device()) as clocks:
+                row[mode]["step_ms_runs"].append(median(cuda_time_ms(step, warmup=3, iters=args.iters)))
+            row[mode]["clocks_runs"].append(clocks.summary())
             row[mode]["host_submit_ms_runs"].append(median(host_time_ms(step, warmup=1, iters=args.iters)))
     for mode in steps:
         row[mode]["step_ms"] = median(row[mode]["step_ms_runs"])
         row[mode]["host_submit_ms"] = median(row[mode]["host_submit_ms_runs"])
+        sampled = [run["sm_mhz_median"] for run in row[mode]["clocks_runs"] if run["samples"]]
+        row[mode]["sm_mhz"] = median(sampled) if sampled else None
     speedups = [e / g for e, g in zip(row["eager"]["step_ms_runs"], row["graph"]["step_ms_runs"])]
     row["step_speedup"] = median(speedups)
     row["step_speedup_spread"] = spread(speedups)
@@ -124,6 +130,10 @@ def print_profile(tokens: int, profile: dict) -> None:
         print(f"  {row['first_ms']:8.3f} {row['second_ms']:8.3f} {row['difference_ms']:+12.3f}  {row['name'][:90]}")
 
 
+def mhz(mode: dict) -> str:
+    return "-" if mode["sm_mhz"] is None else f"{mode['sm_mhz']:.0f}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=list_of(positive_int, "token counts"), default=[1024, 2048, 4096, 8192])
@@ -153,12 +163,12 @@ def main():
         rows.append(row)
         print(row, flush=True)
     print(f"\n{'tokens':>7s} {'eager ms':>9s} {'graph ms':>9s} {'speedup':>8s} {'eager host':>11s} "
-          f"{'graph host':>11s} {'host cut':>9s} {'slot MiB':>9s} {'speedup min..max':>17s}")
+          f"{'graph host':>11s} {'host cut':>9s} {'slot MiB':>9s} {'speedup min..max':>17s} {'SM MHz e/g':>11s}")
     for r in rows:
         lo, hi = r["step_speedup_spread"]["min"], r["step_speedup_spread"]["max"]
         print(f"{r['tokens']:7d} {r['eager']['step_ms']:9.2f} {r['graph']['step_ms']:9.2f} {r['step_speedup']:7.2f}x "
               f"{r['eager']['host_submit_ms']:11.2f} {r['graph']['host_submit_ms']:11.2f} {r['host_reduction']:8.1f}x "
-              f"{r['graph_extra_mib']:9.0f} {lo:7.2f}..{hi:.2f}x")
+              f"{r['graph_extra_mib']:9.0f} {lo:7.2f}..{hi:.2f}x {mhz(r['eager']):>5s}/{mhz(r['graph'])}")
     for r in rows:
         if "profile" in r:
             print_profile(r["tokens"], r["profile"])
