@@ -19,6 +19,10 @@ capacity factor 1.25), and these measurements, each timed per iteration between 
                                       dispatch PUT of rows the size of an MXFP8 payload (H + H/32
                                       bytes, padded to 16) moved as raw 16-bit words: the bytes
                                       MXFP8 dispatch puts on NVLink, without the quantization
+  symm kernel   put_rows / get_rows, block_h=B warps=W
+                                      the same kernels at the launch configurations that
+                                      `--kernel-configs BxW,...` lists (row-block width, warps
+                                      per program), to find the fastest over NVLink
   symm kernel   put_rows_mxfp8 (quantize+PUT)
                                       the fused MXFP8 quantize + PUT kernel from BF16 token rows
                                       (megatron_ext.kernels.mxfp8_put), where the checkout has it
@@ -139,8 +143,10 @@ def device_fence(ranks: Ranks, group):
     return allocate_symmetric((16, 16), torch.bfloat16, ranks.device, group).barrier
 
 
-def symm_kernel_cases(routes: Routes, setup: Setup, ranks: Ranks, tokens: torch.Tensor, fence):
-    """(name, fn, fence, row_bytes) for the bare Triton PUT/GET kernels on symmetric buffers."""
+def symm_kernel_cases(routes: Routes, setup: Setup, ranks: Ranks, tokens: torch.Tensor, fence,
+                      kernel_configs=()):
+    """(name, fn, fence, row_bytes) for the bare Triton PUT/GET kernels on symmetric buffers, at
+    their default launch configuration and at each (block_h, num_warps) of `kernel_configs`."""
     from megatron_ext.kernels.row_transfer import get_rows, put_rows
     from megatron_ext.moe.buffers import allocate_symmetric
 
@@ -156,6 +162,16 @@ def symm_kernel_cases(routes: Routes, setup: Setup, ranks: Ranks, tokens: torch.
         ("get_rows", lambda: get_rows(source.peer_table, rm.dest_rank, rm.dest_row, out), fence,
          setup.hidden * tokens.element_size()),
     ]
+    for block_h, warps in kernel_configs:
+        config = dict(block_h=block_h, num_warps=warps)
+        cases += [
+            (f"put_rows, block_h={block_h} warps={warps}",
+             lambda c=config: put_rows(tokens, rm.dest_rank, rm.dest_row, target.peer_table, **c), fence,
+             setup.hidden * tokens.element_size()),
+            (f"get_rows, block_h={block_h} warps={warps}",
+             lambda c=config: get_rows(source.peer_table, rm.dest_rank, rm.dest_row, out, **c), fence,
+             setup.hidden * tokens.element_size()),
+        ]
     return cases + mxfp8_kernel_cases(routes, ranks, tokens, group, fence)
 
 
@@ -232,7 +248,8 @@ def phase_cases(make_transport, routes: Routes, tokens: torch.Tensor, fence, mxf
     return cases
 
 
-def transports_for(ranks: Ranks, routes: Routes, tokens: torch.Tensor, setup: Setup, wanted: list[str]):
+def transports_for(ranks: Ranks, routes: Routes, tokens: torch.Tensor, setup: Setup, wanted: list[str],
+                   kernel_configs=()):
     """[(transport label, cases)] available on this device."""
     from megatron_ext.moe.transport.torch_ref import TorchRowTransport
 
@@ -242,7 +259,7 @@ def transports_for(ranks: Ranks, routes: Routes, tokens: torch.Tensor, setup: Se
         from megatron_ext.moe.transport.symm import SymmRowTransport
 
         fence = device_fence(ranks, group)
-        found.append(("symm kernel", symm_kernel_cases(routes, setup, ranks, tokens, fence)))
+        found.append(("symm kernel", symm_kernel_cases(routes, setup, ranks, tokens, fence, kernel_configs)))
         found.append(("symm phase", phase_cases(lambda: SymmRowTransport(group, routes.capacity), routes, tokens,
                                                 fence)))
         # return_transfer="put": combine and dispatch backward PUT the rows back (no copy into scratch)
@@ -262,7 +279,8 @@ def measure(ranks: Ranks, setup: Setup, args) -> list[dict]:
         routes = balanced_routes(num_tokens, setup, ranks, args.capacity_factor, args.seed)
         gen = torch.Generator(device=ranks.device).manual_seed(args.seed + 17 * ranks.rank)
         tokens = torch.randn(num_tokens, setup.hidden, generator=gen, device=ranks.device).to(torch.bfloat16)
-        for label, cases in transports_for(ranks, routes, tokens, setup, args.transports.split(",")):
+        for label, cases in transports_for(ranks, routes, tokens, setup, args.transports.split(","),
+                                           args.kernel_configs):
             for name, fn, fence, row_bytes in cases:
                 dist.barrier()
                 ms = timed(fn, fence, clock, args.warmup, args.iters)
@@ -324,6 +342,19 @@ def print_table(rows: list[dict], setup: Setup, ranks: Ranks, target: dict | Non
               f"{'MET' if target['met'] else 'NOT MET'}")
 
 
+def kernel_config(text: str) -> tuple[int, int]:
+    """'BxW' -> (block_h, num_warps): a power-of-two row block and 1-32 warps (a power of two)."""
+    block, _, warps = text.partition("x")
+    try:
+        block_h, num_warps = int(block), int(warps)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_HxWARPS such as 4096x8, got {text!r}") from None
+    for name, value, top in (("BLOCK_H", block_h, 1 << 16), ("WARPS", num_warps, 32)):
+        if value < 1 or value > top or value & (value - 1):
+            raise argparse.ArgumentTypeError(f"{name} must be a power of two in [1, {top}], got {value} in {text!r}")
+    return block_h, num_warps
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -335,6 +366,9 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=positive_int)
     parser.add_argument("--transports", type=names_from(("symm", "torch"), "transports"), default="symm,torch",
                         help="comma-separated: symm, torch")
+    parser.add_argument("--kernel-configs", type=list_of(kernel_config, "kernel configurations"), default=[],
+                        help="comma-separated BLOCK_HxWARPS (e.g. 4096x8,2048x4): the PUT and GET kernels are "
+                             "also timed at each of these launch configurations")
     parser.add_argument("--capacity-factor", type=positive_float, default=1.25)
     parser.add_argument("--warmup", type=non_negative_int, default=3)
     parser.add_argument("--iters", type=positive_int, default=20)

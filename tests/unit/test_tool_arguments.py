@@ -16,6 +16,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 @pytest.mark.parametrize("tool,flags,message", [
     ("bench_transport.py", ["--transports", "foo"], "unknown transports ['foo']; choose from symm, torch"),
     ("bench_transport.py", ["--tokens", "12,abc"], "token counts: expected an integer, got 'abc'"),
+    ("bench_transport.py", ["--kernel-configs", "4096x8,3000x4"],
+     "kernel configurations: BLOCK_H must be a power of two in [1, 65536], got 3000 in '3000x4'"),
+    ("bench_transport.py", ["--kernel-configs", "4096"], "expected BLOCK_HxWARPS such as 4096x8, got '4096'"),
     ("bench_ep.py", ["--iters", "0"], "argument --iters: expected an integer >= 1, got 0"),
     ("dropless_memory_probe.py", ["--ep", "0"], "EP sizes: expected an integer >= 1, got 0"),
     ("dropless_memory_probe.py", ["--arena-budget", "1.0,2.0"], "RF <= CF"),
