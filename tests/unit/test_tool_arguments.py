@@ -26,6 +26,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
     ("bench_graphs.py", ["--tokens", "0"], "token counts: expected an integer >= 1, got 0"),
     ("bench_graphs.py", ["--tokens", "1024", "--profile", "2048"], "--profile 2048 must be one of --tokens [1024]"),
     ("bench_moe_layer.py", ["--paths", "nope"], "unknown paths ['nope']"),
+    ("bench_host_trees.py", ["--rounds", "0"], "argument --rounds: expected an integer >= 1, got 0"),
     ("bench_host_cold.py", ["--iters", "0"], "argument --iters: expected an integer >= 1, got 0"),
     ("bench_host_affinity.py", ["--rounds", "-1"], "argument --rounds: expected an integer >= 1, got -1"),
 ])
