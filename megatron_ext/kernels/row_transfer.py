@@ -342,16 +342,16 @@ def get_rows(peer_table: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.
                  TypeError)
         require(gathered.is_contiguous(), "get_rows: gathered is not contiguous; pass a contiguous tensor")
         require(gathered.device == out.device, f"get_rows: gathered is on {gathered.device}, out on {out.device}")
-    check_runnable("get_rows", out)
-    if T == 0 or H == 0:
-        return out
-    block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
-    has_values = values_out is not None
     if in_place:
         require(own_rows_of is None and peer_table.dtype == buffer_dtype,
                 f"get_rows: in place reads rows of buffer_dtype {buffer_dtype} (got {peer_table.dtype}), "
                 f"and not together with own_rows_of")
         capacity = peer_table.shape[0] if capacity is None else min(capacity, peer_table.shape[0])
+    check_runnable("get_rows", out)
+    if T == 0 or H == 0:
+        return out
+    block_h, num_warps = _config(H, buffer_dtype, block_h, num_warps)
+    has_values = values_out is not None
     if own_rows_of is not None:
         require(peer_table.numel() == 1 and capacity is not None,
                 f"get_rows: own_rows_of needs a one-entry table (this rank's receive buffer) and the owners' "

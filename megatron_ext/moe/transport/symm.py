@@ -181,10 +181,7 @@ class SymmRowTransport:
             return self._put_back("combine", expert_out, None, route)[0]
         out = torch.empty(route.dest_row.shape[0], expert_out.shape[1], dtype=expert_out.dtype,
                           device=expert_out.device)
-        if self.world == 1:  # nobody else reads these rows: the GET reads them where they are
-            return get_rows(expert_out, route.dest_rank, route.dest_row, out, capacity=self.capacity, in_place=True)
-        source = self._gather_source("combine_source", expert_out, route)
-        return get_rows(source.peer_table, route.dest_rank, route.dest_row, out, capacity=self.capacity)
+        return self._get("combine_source", expert_out, route, out)
 
     def combine_backward(self, grad_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         target = self._scratch("combine_grad", grad_out)
@@ -202,14 +199,21 @@ class SymmRowTransport:
         grad_probs = None
         if grad_row_probs is not None:
             grad_probs = torch.empty(num_tokens, topk, dtype=torch.float32, device=grad_buffer.device)
-        if self.world == 1:  # read in place, as in combine
-            get_rows(grad_buffer, route.dest_rank, route.dest_row, out, value_table=grad_row_probs,
-                     values_out=grad_probs, capacity=self.capacity, in_place=True)
-        else:
-            source = self._gather_source("dispatch_grad", grad_buffer, route, grad_row_probs)
-            get_rows(source.peer_table, route.dest_rank, route.dest_row, out, value_table=source.values_table,
-                     values_out=grad_probs, capacity=self.capacity)
+        self._get("dispatch_grad", grad_buffer, route, out, grad_row_probs, grad_probs)
         return out, grad_probs
+
+    def _get(self, role: str, rows: torch.Tensor, route: RouteMap, out: torch.Tensor,
+             values: torch.Tensor | None = None, values_out: torch.Tensor | None = None) -> torch.Tensor:
+        """A GET phase: each route fetches its row of `rows` (and its value of `values`, [C] fp32, into
+        `values_out`) from the rank that owns it, summed into `out`. With one rank nobody else reads
+        the rows, so the GET reads them in place (no copy, no address table); at EP > 1 from the
+        role's symmetric scratch (_gather_source)."""
+        if self.world == 1:
+            return get_rows(rows, route.dest_rank, route.dest_row, out, value_table=values, values_out=values_out,
+                            capacity=self.capacity, in_place=True)
+        source = self._gather_source(role, rows, route, values)
+        return get_rows(source.peer_table, route.dest_rank, route.dest_row, out, value_table=source.values_table,
+                        values_out=values_out, capacity=self.capacity)
 
     def _gather_source(self, role: str, rows: torch.Tensor, route: RouteMap, values: torch.Tensor | None = None):
         """EP > 1: copy this rank's received rows (and their per-row `values`, [C] fp32) into the
@@ -217,8 +221,7 @@ class SymmRowTransport:
 
         Only the rows below route.recv_offsets[-1] are copied (a device count): peers' routes
         point at no other row, so the tail, up to C - received rows, is never read. With debug
-        poison the tail holds NaN, so a read there would show. (With one rank nobody else reads
-        them, and the GET reads them in place: no copy, no table.)
+        poison the tail holds NaN, so a read there would show.
         """
         source = self._scratch(role, rows) if values is None else self._scratch_with_values(role, rows)
         if self.poison:  # written in the same window as the copy: the previous readers passed a barrier
