@@ -177,3 +177,20 @@ def test_get_rows_and_copy_rows_below_reject_bad_values():
     with pytest.raises(ValueError, match="values_dst must be a contiguous float32 \\[5\\]"):
         copy_rows_below(torch.zeros(5, 8), torch.zeros(5, 8), torch.tensor([3], dtype=torch.int32),
                         values=(torch.zeros(5), torch.zeros(5, dtype=torch.float64)))
+
+
+def test_get_rows_in_place_rejects_bad_sources():
+    """In place (one rank) the source is [C, H] rows of out's dtype and, with values, [C] fp32 values."""
+    dest_rank, dest_row = _routes()
+    out = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="in place, the source must be \\[C, H=8\\] rows"):
+        get_rows(torch.zeros(5, 4), dest_rank, dest_row, out, in_place=True)
+    with pytest.raises(ValueError, match="in place reads rows of buffer_dtype torch.float32 \\(got torch.bfloat16\\)"):
+        get_rows(torch.zeros(5, 8, dtype=torch.bfloat16), dest_rank, dest_row, out, in_place=True)
+    with pytest.raises(ValueError, match="not together with own_rows_of"):
+        get_rows(torch.zeros(5, 8), dest_rank, dest_row, out, capacity=5, own_rows_of=2, in_place=True)
+    with pytest.raises(ValueError, match="need both the values out and the source's \\[C\\] fp32 values"):
+        get_rows(torch.zeros(5, 8), dest_rank, dest_row, out, value_table=torch.zeros(5), in_place=True)
+    with pytest.raises(ValueError, match="the source values must be a contiguous float32 \\[5\\]"):
+        get_rows(torch.zeros(5, 8), dest_rank, dest_row, out, value_table=torch.zeros(4),
+                 values_out=torch.zeros(3, 2), in_place=True)
