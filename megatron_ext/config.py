@@ -83,6 +83,10 @@ class MoEExtConfig:
         autograd thread) on one CPU core, this rank's share of its allowed cores
         (megatron_ext/host_affinity.py; Linux). On the lent H200 hosts the eager layer's host time fell
         9-22%; the training bench's step time did not change (BENCHMARKS.md, eighth session).
+    expert_wgrad_fusion: under Megatron's DDP, the grouped experts (SwiGLU fast path) add their
+        weight gradients to main_grad inside the weight-gradient GEMM, in fp32, instead of handing
+        DDP a 16-bit gradient to add (moe/expert_wgrad.py): Megatron's gradient_accumulation_fusion
+        contract, with no APEX or Transformer Engine needed. Both dispatchers. False keeps DDP's add.
     """
 
     dispatcher: str = "rowwise"
@@ -107,10 +111,11 @@ class MoEExtConfig:
     router_gemms: str = "triton"
     peer_timeout_s: float | None = None
     pin_host_threads: bool = False
+    expert_wgrad_fusion: bool = True
 
     def __post_init__(self):
         for name in ("dropless", "dropless_arena", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison",
-                     "debug_checks", "fused_route_map", "fused_router", "pin_host_threads"):
+                     "debug_checks", "fused_route_map", "fused_router", "pin_host_threads", "expert_wgrad_fusion"):
             _require_type(name, getattr(self, name), bool, "True or False")
         for name in ("metrics_interval", "replica_check_interval", "lease_slots"):
             _require_type(name, getattr(self, name), int, "an integer")

@@ -66,11 +66,15 @@ def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | No
 
         base = get_submodules(get_gpt_layer_local_submodules(num_experts=2).mlp)
     experts = DeviceOffsetGroupedMLP
+    options = {}
     if ext_config.debug_checks:  # the experts validate their offsets (a host read per forward)
-        experts = functools.partial(DeviceOffsetGroupedMLP, debug_checks=True)
+        options["debug_checks"] = True
+    if not ext_config.expert_wgrad_fusion:  # their weight gradients reach main_grad through DDP's add
+        options["wgrad_fusion"] = False
+    if options:
+        experts = functools.partial(DeviceOffsetGroupedMLP, **options)
     if ext_config.dispatcher == "megatron":
-        experts = functools.partial(grouped_or_megatron_experts, megatron_experts=base.experts,
-                                    debug_checks=ext_config.debug_checks)
+        experts = functools.partial(grouped_or_megatron_experts, megatron_experts=base.experts, **options)
         return functools.partial(MoELayer, submodules=dataclasses.replace(base, experts=experts))
     submodules = dataclasses.replace(base, experts=experts)
     # The fused router hands the fused route map its selection, so it needs that on too; a user's
@@ -81,14 +85,14 @@ def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | No
 
 
 def grouped_or_megatron_experts(num_local_experts, config, pg_collection=None, name=None, *,
-                                megatron_experts=None, debug_checks: bool = False):
+                                megatron_experts=None, debug_checks: bool = False, wgrad_fusion: bool = True):
     """The experts builder of dispatcher="megatron": DeviceOffsetGroupedMLP, or Megatron's own
     experts from the original spec (SequentialMLP in the local spec) for a config the grouped
     experts cannot serve (DeviceOffsetGroupedMLP.unsupported), with one logged line per reason."""
     reasons = DeviceOffsetGroupedMLP.unsupported(config)
     if not reasons or megatron_experts is None:  # nothing to fall back to: the grouped experts refuse
         return DeviceOffsetGroupedMLP(num_local_experts, config, pg_collection=pg_collection, name=name,
-                                      debug_checks=debug_checks)
+                                      debug_checks=debug_checks, wgrad_fusion=wgrad_fusion)
     line = "; ".join(reasons)
     warn_once(logger, f"megatron_ext: MoE layers use Megatron's own experts, not the grouped experts: {line}")
     if isinstance(megatron_experts, ModuleSpec):

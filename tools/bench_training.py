@@ -15,9 +15,12 @@ min..max over the repeats), the peak memory and the loss over the last steps. Va
   rowwise_bounded   bounded dropless: the case's capacity factor as the bound, an overflow stops the
                     run with CapacityExceeded at a logging step (--moe-ext-on-overflow error)
   rowwise_pinned    rowwise with its host threads kept on one CPU core (--moe-ext-pin-host-threads)
+  rowwise_wgrad_add rowwise with the experts' weight gradients added to main_grad by DDP, not in
+                    their GEMM (--moe-ext-no-expert-wgrad-fusion)
   rowwise_graphs    the rowwise layer captured in CUDA graphs (--moe-ext-cuda-graphs)
   rowwise_layer_graphs  whole transformer layers (attention and the rowwise MoE layer) captured by
                     Megatron's own runner (--cuda-graph-impl local)
+  rowwise_layer_graphs_wgrad_add  the same with DDP adding the experts' weight gradients
 
     python tools/bench_training.py [--variants megatron,rowwise] [--train-iters 30]
 
@@ -49,8 +52,10 @@ VARIANTS = {
     "rowwise_dropless": ["--moe-ext-dropless"],
     "rowwise_bounded": ["--moe-ext-on-overflow", "error"],
     "rowwise_pinned": ["--moe-ext-pin-host-threads"],
+    "rowwise_wgrad_add": ["--moe-ext-no-expert-wgrad-fusion"],
     "rowwise_graphs": ["--moe-ext-cuda-graphs"],
     "rowwise_layer_graphs": ["--cuda-graph-impl", "local"],
+    "rowwise_layer_graphs_wgrad_add": ["--cuda-graph-impl", "local", "--moe-ext-no-expert-wgrad-fusion"],
 }
 METRICS = ["lm loss", "iteration-time", "mem-max-allocated-bytes"]
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megatron_ext.cuda_graphs import arena_slots
 from megatron_ext.cuda_graphs.capture import CaptureFailed, capture
+from megatron_ext.cuda_graphs.main_grads import flag_added, flagged_by, main_grads_set_aside
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class _ReplaySlot(torch.autograd.Function):
         runner._unalias_param_grads()
         slot.grad_output.copy_(grad_output)
         slot.backward_graph.replay()
+        flag_added(runner.main_grad_params)
         runner._watch("graphed MoE layer backward")
         runner._release(slot)
         grad_input, *param_grads = slot.grads
@@ -195,6 +197,7 @@ class GraphedMoELayer:
         self.eager_reason: str | None = None
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self._static_grad_storage: set[int] = set()  # the slots' static parameter-gradient buffers
+        self.main_grad_params: list = []  # whose gradients the captured backward adds to main_grad itself
         self.forward_fn = getattr(layer, "eager_forward", layer)
 
     def __call__(self, hidden: torch.Tensor):
@@ -289,9 +292,10 @@ class GraphedMoELayer:
                                              torch.cuda.graph_pool_handle())
                 slot.grad_output = torch.empty_like(slot.output)
             for slot in reversed(slots):
-                slot.grads = capture(slot.backward_graph, lambda s=slot: torch.autograd.grad(
-                    s.output, (s.input, *self.params), s.grad_output, allow_unused=True),
-                    torch.cuda.graph_pool_handle())
+                slot.grads, main_grad_params = flagged_by(self.params, lambda s=slot: capture(
+                    s.backward_graph, lambda: torch.autograd.grad(
+                        s.output, (s.input, *self.params), s.grad_output, allow_unused=True),
+                    torch.cuda.graph_pool_handle()))
         except CaptureFailed:
             for slot in slots:
                 slot.forward_graph.reset()
@@ -300,13 +304,15 @@ class GraphedMoELayer:
                 leases.release_all()  # host-side leases of forwards whose backward was never captured
             raise
         self.slots = slots
+        self.main_grad_params = main_grad_params
         self._static_grad_storage = {grad.untyped_storage().data_ptr()
                                      for slot in slots for grad in slot.grads[1:] if grad is not None}
 
     def _warm_up(self, sample: torch.Tensor) -> None:
         """Eager steps on a side stream: allocations, compilation and lazy buffers happen here.
-        They are not training steps, so what they add to the logged metrics is taken back."""
-        with metrics_untouched(self.layer):
+        They are not training steps, so what they add to the logged metrics is taken back, and what
+        they add to DDP's main_grad goes to a stand-in (cuda_graphs/main_grads.py)."""
+        with metrics_untouched(self.layer), main_grads_set_aside(self.params):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -326,6 +332,7 @@ class GraphedMoELayer:
                 slot.backward_graph.reset()
         self.slots = None
         self._static_grad_storage = set()
+        self.main_grad_params = []
 
 
 def release_cuda_graphs(model) -> int:

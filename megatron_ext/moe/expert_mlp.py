@@ -20,14 +20,18 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megatron_ext.kernels.swiglu import swiglu_backward, swiglu_forward
+from megatron_ext.moe.expert_wgrad import expert_weight_grad
 
 
 class _SwiGLUGroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs, recompute_activation: bool, arena):
+    def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs, recompute_activation: bool, arena,
+                wgrad_fusion: bool):
         valid_rows = offsets[-1]
         fc1_out = torch._grouped_mm(hidden, fc1_weight.transpose(1, 2), offs=offsets)
         ctx.arena = arena
+        # The parameters themselves (with DDP's main_grad), for moe/expert_wgrad.py
+        ctx.fused_weights = (fc1_weight, fc2_weight) if wgrad_fusion else None
         if arena is None:
             act = swiglu_forward(fc1_out, valid_rows, probs)
             ctx.save_for_backward(hidden, fc1_weight, fc2_weight, offsets, probs)
@@ -72,7 +76,9 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
                 place = ctx.arena.fc1_place(fc1_weight.shape[1], fc1_weight.dtype)
             else:
                 fc1_out = ctx.arena.restore_fc1(offsets[-1])
-        need_hidden, need_fc1, need_fc2, _, need_probs, _, _ = ctx.needs_input_grad
+        need_hidden, need_fc1, need_fc2, _, need_probs, _, _, _ = ctx.needs_input_grad
+        fuse = ctx.fused_weights is not None
+        fc1_param, fc2_param = ctx.fused_weights or (fc1_weight, fc2_weight)
         grad_out = grad_out.contiguous()
         need_act_grad = need_hidden or need_fc1 or need_probs
         if act is None and need_fc2:  # recomputed, alive through both fc2 GEMMs as if it had been kept
@@ -82,27 +88,29 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         # backward that gave NaN weight gradients in replays (tests/gpu/test_graph_runner_gpu.py,
         # the training-shape stack), although every kernel ran on one stream.
         grad_act = torch._grouped_mm(grad_out, fc2_weight, offs=offsets) if need_act_grad else None
-        grad_fc2 = torch._grouped_mm(grad_out.t(), act, offs=offsets) if need_fc2 else None
+        grad_fc2 = expert_weight_grad(fc2_param, grad_out, act, offsets, fuse) if need_fc2 else None
         del act
         if not need_act_grad:
-            return None, None, grad_fc2, None, None, None, None
+            return None, None, grad_fc2, None, None, None, None, None
         grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1], read_from=place)
         del grad_act, fc1_out
         grad_hidden = torch._grouped_mm(grad_fc1_out, fc1_weight, offs=offsets) if need_hidden else None
-        grad_fc1 = torch._grouped_mm(grad_fc1_out.t(), hidden, offs=offsets) if need_fc1 else None
-        return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None, None, None
+        grad_fc1 = expert_weight_grad(fc1_param, grad_fc1_out, hidden, offsets, fuse) if need_fc1 else None
+        return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None, None, None, None
 
 
 def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
                        offsets: torch.Tensor, probs: torch.Tensor | None = None,
-                       recompute_activation: bool = False, arena=None) -> torch.Tensor:
+                       recompute_activation: bool = False, arena=None, wgrad_fusion: bool = False) -> torch.Tensor:
     """fc2(swiglu(fc1(hidden)) [* probs]) per expert on rows < offsets[-1]: hidden [rows, H], fc1
     [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F], int32 end offsets [L], probs [rows] fp32.
     Rows at or past offsets[-1] are never read; their outputs and gradients are not defined.
     `recompute_activation`: keep fc1's output only and run the activation again in the backward.
     `arena` (moe/arena_rows.ArenaRows): `hidden` and `probs` are that arena's view; fc1's output and,
-    without `recompute_activation`, the activation are kept there."""
+    without `recompute_activation`, the activation are kept there.
+    `wgrad_fusion`: the weight gradients go into Megatron DDP's main_grad where the weights have one
+    (moe/expert_wgrad.py)."""
     if arena is not None and not hidden.is_contiguous():
         raise ValueError("the arena's rows are read in place: hidden must be the arena's (contiguous) view")
     return _SwiGLUGroupedMLP.apply(hidden.contiguous(), fc1_weight, fc2_weight, offsets, probs,
-                                   recompute_activation, arena)
+                                   recompute_activation, arena, wgrad_fusion)

@@ -70,7 +70,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
-                 name: str | None = None, debug_checks: bool = False):
+                 name: str | None = None, debug_checks: bool = False, wgrad_fusion: bool = True):
         super().__init__()
         from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -99,11 +99,15 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         self.fast_path = self.activation.plain_swiglu and not bias and self.padding is None
         # Megatron's --recompute-granularity selective --recompute-modules moe_act
         self.recompute_activation = settings.recompute_activation
-        if config.gradient_accumulation_fusion and config.params_dtype != torch.float32:
-            warn_once(logger, "megatron_ext: the grouped experts' weight gradients reach main_grad through DDP's "
-                      "add, rounded once to the parameters' dtype per microbatch (gradient_accumulation_fusion "
-                      "applies to Megatron's own linear layers only: torch._grouped_mm has no fp32 output for "
-                      "16-bit inputs)")
+        # Under Megatron's DDP the fast path adds its weight gradients to main_grad in the GEMM
+        # (moe/expert_wgrad.py); the other variants hand DDP a 16-bit gradient to add.
+        self.wgrad_fusion = wgrad_fusion and self.fast_path
+        if config.gradient_accumulation_fusion and config.params_dtype != torch.float32 and not self.wgrad_fusion:
+            why = ("--moe-ext-no-expert-wgrad-fusion is set" if not wgrad_fusion else
+                   "only the SwiGLU experts without biases and with 16-byte aligned sizes accumulate in the GEMM")
+            warn_once(logger, f"megatron_ext: gradient_accumulation_fusion is on, but the grouped experts' weight "
+                      f"gradients reach main_grad through DDP's add, rounded once to the parameters' dtype per "
+                      f"microbatch ({why})")
         self._init_weights(pg_collection)
         self._register_load_state_dict_pre_hook(load_sequential_mlp_layout, with_module=True)
 
@@ -188,7 +192,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                 raise ValueError("the grouped experts cannot keep these rows in the dropless arena:\n  - "
                                  + "\n  - ".join(problems))
             return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs.reshape(-1),
-                                      self.recompute_activation, arena)
+                                      self.recompute_activation, arena, self.wgrad_fusion)
         if probs is not None:
             if self.config.moe_apply_probs_on_input:  # as SequentialMLP: (p * x).to(x.dtype), then p = 1
                 hidden = (probs.reshape(-1, 1) * hidden).to(hidden.dtype)
@@ -199,7 +203,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
             return self._forward_any(hidden, offsets, probs, payload)
         if payload is None:  # one autograd node (moe/expert_mlp.py)
             return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs,
-                                      self.recompute_activation)
+                                      self.recompute_activation, wgrad_fusion=self.wgrad_fusion)
         fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload)
         return self._fc2(swiglu_valid_prefix, (fc1_out, offsets[-1], probs), self.fc2_weight, offsets)
 

@@ -221,6 +221,36 @@ def test_one_node_fast_path_equals_torch_autograd_of_the_three_ops():
     assert_close(got[4], want[4], 1e-2, "one node vs torch autograd: fc2 weight grad")
 
 
+def test_grouped_wgrad_kernel_accumulates_into_main_grad():
+    """kernels/grouped_wgrad.py on CUDA: out[e] += left_e^T @ right_e, fp32 and bf16 main_grad,
+    sizes off the tile, an empty expert untouched, NaN rows past the last offset never read,
+    against an fp32 reference; the same bits on a second run."""
+    from megatron_ext.kernels.grouped_wgrad import accumulate_grouped_wgrad
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    counts, m, n, tail = [300, 0, 1, 517, 64], 200, 136, 40
+    rows = sum(counts)
+    left = torch.randn(rows + tail, m, device="cuda", generator=gen).bfloat16()
+    right = torch.randn(rows + tail, n, device="cuda", generator=gen).bfloat16()
+    left[rows:], right[rows:] = float("nan"), float("nan")
+    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        start = torch.randn(len(counts), m, n, device="cuda", generator=gen).to(dtype)
+        want, first = start.float().clone(), 0
+        for expert, count in enumerate(counts):
+            want[expert] += left[first:first + count].float().t() @ right[first:first + count].float()
+            first += count
+        runs = []
+        for _ in range(2):
+            out = start.clone()
+            accumulate_grouped_wgrad(left, right, ends, out)
+            runs.append(out)
+        assert torch.equal(runs[0], runs[1]), "two runs differ"
+        assert torch.equal(runs[0][1], start[1]), "the empty expert's main_grad changed"
+        assert torch.isfinite(runs[0]).all(), "a row past the last offset was read"
+        assert_close(runs[0].float(), want.to(dtype).float(), tolerance, f"grouped wgrad into {dtype} main_grad")
+
+
 def _main() -> int:
     failed = 0
     for name, fn in list(globals().items()):

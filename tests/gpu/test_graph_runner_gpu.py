@@ -308,6 +308,37 @@ def test_replay_under_megatron_ddp_matches_eager_without_copying_grads(weights):
         torch.testing.assert_close(p_graph.main_grad, p_eager.main_grad, rtol=2e-2, atol=2e-2)
 
 
+def test_expert_wgrad_fusion_under_ddp_equals_ddp_add_eager_and_replayed(weights):
+    """The experts' weight gradients added to main_grad in the GEMM (moe/expert_wgrad.py) against
+    DDP's add of their bf16 gradients, over two iterations of 3 microbatches: eager and replayed
+    (the runner sets DDP's flag after each replay: zero_grad_buffer clears it every iteration).
+    main_grad agrees to the bf16 rounding the add path takes per microbatch; replayed equals eager."""
+    layers = {"add": megatron_ddp(make_layer(weights, expert_wgrad_fusion=False)),
+              "fused": megatron_ddp(make_layer(weights)),
+              "fused graphed": megatron_ddp(make_layer(weights, cuda_graphs=True))}
+    batches = [microbatch(120 + i) for i in range(3)]
+    for iteration in range(2):
+        grads = {}
+        for name, ddp in layers.items():
+            ddp.zero_grad_buffer()
+            for x, g in batches:
+                ddp(x.clone().requires_grad_(True))[0].backward(g)
+            ddp.finish_grad_sync()
+            experts = ddp.module.experts
+            grads[name] = [experts.fc1_weight.main_grad.clone(), experts.fc2_weight.main_grad.clone()]
+            assert experts.fc1_weight.grad_added_to_main_grad == (name != "add")
+        assert layers["fused graphed"].module._graph_runner.eager_reason is None
+        assert len(layers["fused graphed"].module._graph_runner.main_grad_params) == 2
+        for name in ("fused", "fused graphed"):
+            for got, want in zip(grads[name], grads["add"]):
+                assert torch.isfinite(got).all(), f"iteration {iteration}, {name}: main_grad not finite"
+                relative = ((got - want).norm() / want.norm()).item()
+                print(f"iteration {iteration}, {name} against DDP's add: relative difference {relative:.2e}")
+                assert relative < 1e-2, f"iteration {iteration}, {name}: relative difference {relative:.2e}"
+        for got, want in zip(grads["fused graphed"], grads["fused"]):
+            assert torch.equal(got, want), f"iteration {iteration}: replayed main_grad differs from eager"
+
+
 def test_training_shape_stack_with_aux_loss_under_ddp_matches_eager():
     """check_training_shape_stack in a fresh process: the corruption it guards against depended on
     the allocator's state (it showed when this ran alone, not after the other tests here)."""

@@ -37,19 +37,24 @@ def test_inference_optimized_transformer_impl_is_refused_by_the_rowwise_layer():
     assert rowwise_problems(Namespace(transformer_impl="transformer_engine")) == []
 
 
-def _warnings_when_built(rank, world, fusion, dtype):
+def _warnings_when_built(rank, world, fusion, dtype, wgrad_fusion, overrides):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("megatron_ext.moe.experts").addHandler(handler)
-    DeviceOffsetGroupedMLP(4, moe_config(gradient_accumulation_fusion=fusion, dtype=dtype))
+    DeviceOffsetGroupedMLP(4, moe_config(gradient_accumulation_fusion=fusion, dtype=dtype, **overrides),
+                           wgrad_fusion=wgrad_fusion)
     return [record.getMessage() for record in records]
 
 
-@pytest.mark.parametrize("fusion,dtype,said", [(True, torch.bfloat16, True), (False, torch.bfloat16, False),
-                                                (True, torch.float32, False)])
-def test_gradient_accumulation_fusion_is_said_once_where_it_changes_rounding(fusion, dtype, said):
-    messages = run_on_ranks(_warnings_when_built, 1, fusion, dtype, sizes=ParallelSizes())[0]
+@pytest.mark.parametrize("fusion,dtype,wgrad_fusion,overrides,said", [
+    (True, torch.bfloat16, True, {}, False),  # the fast path adds to main_grad in its GEMM (moe/expert_wgrad.py)
+    (True, torch.bfloat16, False, {}, True),  # --moe-ext-no-expert-wgrad-fusion
+    (True, torch.bfloat16, True, {"add_bias_linear": True}, True),  # a variant off the fast path
+    (False, torch.bfloat16, False, {}, False), (True, torch.float32, False, {}, False)])
+def test_gradient_accumulation_fusion_is_said_once_where_it_changes_rounding(fusion, dtype, wgrad_fusion, overrides,
+                                                                               said):
+    messages = run_on_ranks(_warnings_when_built, 1, fusion, dtype, wgrad_fusion, overrides, sizes=ParallelSizes())[0]
     assert len([m for m in messages if "gradient_accumulation_fusion" in m]) == int(said), messages
 
 

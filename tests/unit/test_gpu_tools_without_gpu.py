@@ -26,6 +26,7 @@ GPU_ONLY_TOOLS = {  # tool -> (the arguments of a typical run, how its line name
     "bench_transport.py": (["--device", "cuda"], "tools/bench_transport.py --device cuda"),
     "bench_dropless_arena.py": ([], "tools/bench_dropless_arena.py"),
     "bench_host_trees.py": (["--baseline", "HEAD"], "tools/bench_host_trees.py"),
+    "bench_wgrad.py": ([], "tools/bench_wgrad.py"),
 }
 
 no_gpu_here = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the tools would run")

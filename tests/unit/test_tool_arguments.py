@@ -29,6 +29,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
     ("bench_host_trees.py", ["--rounds", "0"], "argument --rounds: expected an integer >= 1, got 0"),
     ("bench_host_cold.py", ["--iters", "0"], "argument --iters: expected an integer >= 1, got 0"),
     ("bench_host_affinity.py", ["--rounds", "-1"], "argument --rounds: expected an integer >= 1, got -1"),
+    ("bench_wgrad.py", ["--tiles", "128x128x32"], "tile configurations: tiles must be block_m x block_n x "
+                                                  "block_rows x warps x stages"),
+    ("bench_wgrad.py", ["--capacity-factor", "0.5"], "--capacity-factor must be >= 1"),
 ])
 def test_bad_values_are_usage_errors(tool, flags, message):
     result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", tool), *flags], cwd=REPO_ROOT,

@@ -1,0 +1,42 @@
+"""The grouped experts' weight gradients, straight into Megatron's main_grad where DDP holds one.
+
+Megatron's DDP (megatron-core 0.19.2, `DistributedDataParallel._make_backward_post_hook`) gives
+each parameter an fp32 (or 16-bit) `main_grad` and a flag `grad_added_to_main_grad`; its hook
+adds `param.grad` to `main_grad` unless a layer set the flag, which Megatron's own linear layers
+do under `gradient_accumulation_fusion` after their GEMM accumulated into `main_grad` itself. The
+grouped experts follow the same contract (`MoEExtConfig.expert_wgrad_fusion`): the weight
+gradient is summed in fp32 by kernels/grouped_wgrad.py and added to `main_grad` in that kernel's
+epilogue; autograd gets an unwritten placeholder, which the hook drops. Cost removed and cost
+accepted: see that kernel. Where the weight has no `main_grad` (no Megatron DDP) the gradient is
+the plain grouped GEMM's. The DDP internals used are checked by tests/unit/test_expert_wgrad.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.kernels.grouped_wgrad import accumulate_grouped_wgrad, accumulate_grouped_wgrad_reference
+
+
+def fuses_into_main_grad(weight: torch.Tensor) -> bool:
+    """Whether Megatron's DDP holds a main_grad for `weight` that the kernel can add to in place."""
+    main_grad = getattr(weight, "main_grad", None)
+    return (main_grad is not None and hasattr(weight, "grad_added_to_main_grad")
+            and main_grad.shape == weight.shape and main_grad.is_contiguous()
+            and main_grad.dtype in (torch.float32, torch.bfloat16))
+
+
+def expert_weight_grad(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor,
+                       fuse: bool) -> torch.Tensor:
+    """The gradient of `weight` [L, M, N] for autograd: left^T @ right per expert (rows by the int32
+    end `offsets`). With `fuse` and a DDP main_grad on the weight, the sum goes into main_grad
+    and what autograd gets is the placeholder Megatron's linear layers hand it."""
+    if not (fuse and fuses_into_main_grad(weight)):
+        return torch._grouped_mm(left.t(), right, offs=offsets)
+    accumulate = accumulate_grouped_wgrad if left.is_cuda else accumulate_grouped_wgrad_reference
+    accumulate(left, right, offsets, weight.main_grad)
+    weight.grad_added_to_main_grad = True
+    # DDP's hook still adds param.grad when zero_out_wgrad is set: that placeholder must be zeros.
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)

@@ -1,0 +1,172 @@
+"""The grouped experts' weight gradients added to Megatron DDP's main_grad in the GEMM
+(moe/expert_wgrad.py, kernels/grouped_wgrad.py): the kernel against the definition under Triton's
+interpreter; on CPU, the experts' node under DDP's main_grad protocol (megatron_ext.testing
+.ddp_main_grads) against an fp64 oracle over two microbatches, and with the fusion off; the
+placeholders DDP's hook gets; the graph runner's main_grad helpers; DDP's hook source, so a change
+in Megatron's protocol fails here."""
+
+import inspect
+
+import pytest
+import torch
+
+from megatron_ext.cuda_graphs.main_grads import flag_added, flagged_by, main_grads_set_aside
+from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
+from megatron_ext.moe.expert_wgrad import expert_weight_grad
+from megatron_ext.testing.ddp_main_grads import attach_main_grads, zero_main_grads
+from megatron_ext.testing.expert_steps import expert_counts, expert_rows
+from tests.unit.interpreter import run_under_interpreter
+
+EXPERTS, HIDDEN, FFN, CAPACITY, VALID = 4, 8, 12, 24, 19
+
+
+def test_kernel_equals_the_definition_under_interpreter():
+    stdout = run_under_interpreter("_grouped_wgrad_interp.py")
+    assert "all grouped wgrad interpreter checks passed" in stdout
+    assert stdout.count("ok counts=") == 5
+
+
+def _weights(seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    fc1 = (torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=gen) * 0.3).requires_grad_(True)
+    fc2 = (torch.randn(EXPERTS, HIDDEN, FFN, generator=gen) * 0.3).requires_grad_(True)
+    return fc1, fc2
+
+
+def _microbatch(seed):
+    x, probs, grad_out = expert_rows(CAPACITY, HIDDEN, seed=seed, dtype=torch.float32, device="cpu")
+    counts = expert_counts(EXPERTS, VALID, seed=seed + 1, empty=(1,))
+    return x, probs, grad_out, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def _weight_grads_fp64(fc1, fc2, batches):
+    """Sum over microbatches of each weight's gradient: each expert's SwiGLU MLP from the
+    definition on its valid rows, torch's autograd in fp64."""
+    ref1, ref2 = (w.detach().double().requires_grad_(True) for w in (fc1, fc2))
+    for x, probs, grad_out, offsets in batches:
+        start = 0
+        for expert, end in enumerate(offsets.tolist()):
+            rows = slice(start, end)
+            gate, up = (x[rows].double() @ ref1[expert].t()).chunk(2, dim=-1)
+            out = (torch.nn.functional.silu(gate) * up * probs[rows, None].double()) @ ref2[expert].t()
+            out.backward(grad_out[rows].double())
+            start = end
+    return ref1.grad, ref2.grad
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_weight_gradients_go_to_main_grad_over_microbatches(recompute):
+    fc1, fc2 = _weights()
+    attach_main_grads([fc1, fc2])
+    batches = [_microbatch(10), _microbatch(20)]
+    input_grads = []
+    for x, probs, grad_out, offsets in batches:
+        x = x.clone().requires_grad_(True)
+        out = swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, recompute_activation=recompute, wgrad_fusion=True)
+        out.backward(grad_out)
+        assert fc1.grad_added_to_main_grad and fc2.grad_added_to_main_grad, "DDP's hook must skip its add"
+        assert fc1.grad is None and fc2.grad is None, "the placeholder reached param.grad"
+        input_grads.append(x.grad)
+    want1, want2 = _weight_grads_fp64(fc1, fc2, batches)
+    torch.testing.assert_close(fc1.main_grad.double(), want1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fc2.main_grad.double(), want2, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fc1.main_grad[1], torch.zeros_like(fc1.main_grad[1])), "the empty expert's main_grad"
+    # The other gradients do not depend on where the weight gradients go.
+    for (x, probs, grad_out, offsets), got in zip(batches, input_grads):
+        x = x.clone().requires_grad_(True)
+        swiglu_grouped_mlp(x, fc1.detach(), fc2.detach(), offsets, probs).backward(grad_out)
+        assert torch.equal(got[:VALID], x.grad[:VALID])
+
+
+def test_fusion_off_hands_ddp_the_gradient_to_add():
+    fc1, fc2 = _weights()
+    attach_main_grads([fc1, fc2])
+    batches = [_microbatch(10), _microbatch(20)]
+    for x, probs, grad_out, offsets in batches:
+        swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=False).backward(grad_out)
+        assert not fc1.grad_added_to_main_grad and not fc2.grad_added_to_main_grad
+    want1, want2 = _weight_grads_fp64(fc1, fc2, batches)
+    torch.testing.assert_close(fc1.main_grad.double(), want1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fc2.main_grad.double(), want2, rtol=1e-5, atol=1e-6)
+
+
+def test_without_ddp_the_weights_get_plain_gradients():
+    fc1, fc2 = _weights()
+    x, probs, grad_out, offsets = _microbatch(10)
+    swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=True).backward(grad_out)
+    want1, want2 = _weight_grads_fp64(fc1, fc2, [(x, probs, grad_out, offsets)])
+    torch.testing.assert_close(fc1.grad.double(), want1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fc2.grad.double(), want2, rtol=1e-5, atol=1e-6)
+    assert not hasattr(fc1, "grad_added_to_main_grad")
+
+
+def test_placeholder_is_zeros_where_ddp_adds_it_anyway():
+    weight = torch.zeros(2, 3, 4, requires_grad=True)
+    attach_main_grads([weight])
+    left, right = torch.randn(5, 3), torch.randn(5, 4)
+    ends = torch.tensor([2, 5], dtype=torch.int32)
+    placeholder = expert_weight_grad(weight, left, right, ends, fuse=True)
+    assert placeholder.shape == weight.shape and weight.grad_added_to_main_grad
+    weight.zero_out_wgrad = True  # DDP's hook adds param.grad even with the flag set
+    assert torch.equal(expert_weight_grad(weight, left, right, ends, fuse=True), torch.zeros_like(weight))
+    want = torch.stack([left[:2].t() @ right[:2], left[2:].t() @ right[2:]])
+    torch.testing.assert_close(weight.main_grad, 2 * want)
+
+
+def test_main_grad_of_another_shape_is_not_written():
+    weight = torch.zeros(2, 4, 8, requires_grad=True)  # sizes the CPU grouped GEMM takes (16-byte strides)
+    weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(64), False  # e.g. a flat shard
+    left, right = torch.randn(5, 4), torch.randn(5, 8)
+    grad = expert_weight_grad(weight, left, right, torch.tensor([2, 5], dtype=torch.int32), fuse=True)
+    assert torch.equal(weight.main_grad, torch.zeros(64)) and not weight.grad_added_to_main_grad
+    torch.testing.assert_close(grad[1], left[2:].t() @ right[2:])
+
+
+def test_graph_runner_helpers_keep_main_grad_and_learn_the_flags():
+    fc1, fc2 = _weights()
+    router = torch.zeros(3, requires_grad=True)
+    attach_main_grads([fc1, fc2, router])
+    originals = [fc1.main_grad, fc2.main_grad]
+    x, probs, grad_out, offsets = _microbatch(10)
+    with main_grads_set_aside([fc1, fc2, router]):  # a warm-up step
+        swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=True).backward(grad_out)
+        assert fc1.main_grad.abs().sum() > 0, "the warm-up adds to the stand-in"
+    assert fc1.main_grad is originals[0] and fc2.main_grad is originals[1]
+    assert torch.equal(fc1.main_grad, torch.zeros_like(fc1.main_grad)), "a warm-up step reached main_grad"
+    zero_main_grads([fc1, fc2, router])
+    fc1.grad_added_to_main_grad = True  # stale from an earlier step: flagged_by must not count it
+
+    def backward():
+        return torch.autograd.grad(swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=True),
+                                   (fc1, fc2), grad_out)
+
+    grads, flagged = flagged_by([fc1, fc2, router], backward)
+    assert flagged == [fc1, fc2] and len(grads) == 2
+    zero_main_grads([fc1, fc2, router])
+    flag_added(flagged)
+    assert fc1.grad_added_to_main_grad and fc2.grad_added_to_main_grad and not router.grad_added_to_main_grad
+
+
+def test_megatron_ddp_protocol_is_what_the_experts_follow():
+    """megatron-core 0.19.2: the hook skips its add when grad_added_to_main_grad is set (unless
+    zero_out_wgrad), and zero_grad_buffer resets the flag. If this fails, revisit
+    moe/expert_wgrad.py, cuda_graphs/main_grads.py and megatron_ext/testing/ddp_main_grads.py."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    hook = inspect.getsource(DistributedDataParallel._make_backward_post_hook)
+    assert "param.main_grad.add_(param.grad.data)" in hook
+    assert "not param.grad_added_to_main_grad or getattr(param, 'zero_out_wgrad', False)" in hook
+    assert "param.grad = None" in hook
+    assert "param.grad_added_to_main_grad = False" in inspect.getsource(DistributedDataParallel.zero_grad_buffer)
+
+
+def test_the_setting_reaches_the_experts_of_both_dispatchers():
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.specs import moe_builder
+
+    for dispatcher in ("rowwise", "megatron"):
+        experts = moe_builder(MoEExtConfig(dispatcher=dispatcher, expert_wgrad_fusion=False)).keywords[
+            "submodules"].experts
+        assert experts.keywords["wgrad_fusion"] is False, dispatcher
+    experts = moe_builder(MoEExtConfig()).keywords["submodules"].experts
+    assert getattr(experts, "keywords", {}).get("wgrad_fusion", True), "fusion is the default"
