@@ -83,10 +83,11 @@ class MoEExtConfig:
         autograd thread) on one CPU core, this rank's share of its allowed cores
         (megatron_ext/host_affinity.py; Linux). On the lent H200 hosts the eager layer's host time fell
         9-22%; the training bench's step time did not change (BENCHMARKS.md, eighth session).
-    expert_wgrad_fusion: under Megatron's DDP, the grouped experts (SwiGLU fast path) add their
-        weight gradients to main_grad inside the weight-gradient GEMM, in fp32, instead of handing
-        DDP a 16-bit gradient to add (moe/expert_wgrad.py): Megatron's gradient_accumulation_fusion
-        contract, with no APEX or Transformer Engine needed. Both dispatchers. False keeps DDP's add.
+    expert_wgrad_fusion: under Megatron's DDP, the grouped experts add their fc1 and fc2 weight
+        gradients to main_grad inside the weight-gradient GEMM, in fp32, instead of handing DDP a
+        16-bit gradient to add (moe/expert_wgrad.py; biases and sizes off 16 bytes keep DDP's add):
+        Megatron's gradient_accumulation_fusion contract, with no APEX or Transformer Engine
+        needed. Both dispatchers. False keeps DDP's add.
     """
 
     dispatcher: str = "rowwise"

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from megatron_ext.cuda_graphs import arena_slots
 from megatron_ext.cuda_graphs.capture import CaptureFailed, capture
-from megatron_ext.cuda_graphs.main_grads import flag_added, flagged_by, main_grads_set_aside
+from megatron_ext.cuda_graphs.main_grads import (flag_added, flagged_by, main_grad_addresses, main_grads_moved,
+                                                 main_grads_set_aside)
 
 logger = logging.getLogger(__name__)
 
@@ -198,11 +199,14 @@ class GraphedMoELayer:
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self._static_grad_storage: set[int] = set()  # the slots' static parameter-gradient buffers
         self.main_grad_params: list = []  # whose gradients the captured backward adds to main_grad itself
+        self._main_grad_addresses: list[int] = []  # where those main_grads were at capture
         self.forward_fn = getattr(layer, "eager_forward", layer)
 
     def __call__(self, hidden: torch.Tensor):
         if self.eager_reason is not None:
             return self.forward_fn(hidden)
+        if self.slots is not None and main_grads_moved(self.main_grad_params, self._main_grad_addresses):
+            self._drop_for_moved_main_grads()
         if self.slots is None:
             reasons = capture_blockers(self.layer, hidden)
             if reasons:
@@ -212,6 +216,16 @@ class GraphedMoELayer:
                 return self._fall_back(reason, hidden)
         slot = self._acquire(hidden)
         return _ReplaySlot.apply(hidden, self, slot, *self.params), None
+
+    def _drop_for_moved_main_grads(self) -> None:
+        """DDP's gradient buffers were re-created since capture: the graphs would write freed memory."""
+        if any(slot.busy for slot in self.slots):
+            raise RuntimeError("the main_grad of parameters whose weight gradients the MoE layer's CUDA graphs add "
+                               "to main_grad moved while microbatches are live in the graphs; re-create DDP's "
+                               "gradient buffers (offload_grad_buffers / restore_grad_buffers) between iterations")
+        logger.info("megatron_ext: DDP's main_grad moved since the MoE layer's CUDA graphs were captured; "
+                    "capturing again")
+        self.reset()
 
     def _fall_back(self, reason: str, hidden: torch.Tensor):
         self.eager_reason = reason
@@ -305,6 +319,7 @@ class GraphedMoELayer:
             raise
         self.slots = slots
         self.main_grad_params = main_grad_params
+        self._main_grad_addresses = main_grad_addresses(main_grad_params)
         self._static_grad_storage = {grad.untyped_storage().data_ptr()
                                      for slot in slots for grad in slot.grads[1:] if grad is not None}
 
@@ -332,7 +347,7 @@ class GraphedMoELayer:
                 slot.backward_graph.reset()
         self.slots = None
         self._static_grad_storage = set()
-        self.main_grad_params = []
+        self.main_grad_params, self._main_grad_addresses = [], []
 
 
 def release_cuda_graphs(model) -> int:

@@ -36,6 +36,7 @@ from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, shard
 from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
 from megatron_ext.moe.expert_padding import GemmPadding
 from megatron_ext.moe.expert_recompute import activation_then_fc2
+from megatron_ext.moe.expert_wgrad import grouped_linear
 from megatron_ext.moe.expert_rows import RowGroups, row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import payload_fc1
 from megatron_ext.quiet import warn_once
@@ -99,12 +100,12 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         self.fast_path = self.activation.plain_swiglu and not bias and self.padding is None
         # Megatron's --recompute-granularity selective --recompute-modules moe_act
         self.recompute_activation = settings.recompute_activation
-        # Under Megatron's DDP the fast path adds its weight gradients to main_grad in the GEMM
-        # (moe/expert_wgrad.py); the other variants hand DDP a 16-bit gradient to add.
-        self.wgrad_fusion = wgrad_fusion and self.fast_path
+        # Under Megatron's DDP the weight gradients go to main_grad in the GEMM (moe/expert_wgrad.py),
+        # except where the GEMMs run on zero-padded copies of the weights (sizes off 16 bytes).
+        self.wgrad_fusion = wgrad_fusion and self.padding is None
         if config.gradient_accumulation_fusion and config.params_dtype != torch.float32 and not self.wgrad_fusion:
             why = ("--moe-ext-no-expert-wgrad-fusion is set" if not wgrad_fusion else
-                   "only the SwiGLU experts without biases and with 16-byte aligned sizes accumulate in the GEMM")
+                   "hidden and FFN sizes that are not 16-byte multiples run on zero-padded copies of the weights")
             warn_once(logger, f"megatron_ext: gradient_accumulation_fusion is on, but the grouped experts' weight "
                       f"gradients reach main_grad through DDP's add, rounded once to the parameters' dtype per "
                       f"microbatch ({why})")
@@ -204,15 +205,15 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         if payload is None:  # one autograd node (moe/expert_mlp.py)
             return swiglu_grouped_mlp(hidden, self.fc1_weight, self.fc2_weight, offsets, probs,
                                       self.recompute_activation, wgrad_fusion=self.wgrad_fusion)
-        fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload)
+        fc1_out = payload_fc1(hidden, self.fc1_weight, offsets, payload, self.wgrad_fusion)
         return self._fc2(swiglu_valid_prefix, (fc1_out, offsets[-1], probs), self.fc2_weight, offsets)
 
     def _fc2(self, activation, inputs: tuple, fc2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """fc2's grouped GEMM on activation(*inputs) (inputs: h, valid rows, probs), the activation
         recomputed in the backward when Megatron's moe_act recompute is on (moe/expert_recompute.py)."""
         if self.recompute_activation and torch.is_grad_enabled():
-            return activation_then_fc2(activation, *inputs, fc2, offsets)
-        return torch._grouped_mm(activation(*inputs), fc2.transpose(1, 2), offs=offsets)
+            return activation_then_fc2(activation, *inputs, fc2, offsets, self.wgrad_fusion)
+        return grouped_linear(activation(*inputs), fc2, offsets, self.wgrad_fusion)
 
     def _forward_any(self, hidden, offsets, probs, payload):
         """Every other variant: padding for odd sizes, biases, any activation (module docstring)."""
@@ -220,9 +221,9 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         if self.padding is not None:
             hidden, fc1, fc2, fc1_bias, fc2_bias = self.padding.pad(hidden, fc1, fc2, fc1_bias, fc2_bias)
         if payload is not None:
-            h = payload_fc1(hidden, fc1, offsets, payload)
+            h = payload_fc1(hidden, fc1, offsets, payload, self.wgrad_fusion)
         else:
-            h = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offsets)
+            h = grouped_linear(hidden, fc1, offsets, self.wgrad_fusion)
         valid_rows, rows = offsets[-1], h.shape[0]
         if probs is not None:  # tail probabilities (never read) get a defined, zero gradient
             probs = torch.where(valid_row_mask(valid_rows, rows), probs, 0)

@@ -31,6 +31,7 @@ import torch
 
 from megatron_ext.formats import mxfp8
 from megatron_ext.kernels.mxfp8_rows import dequantize_packed
+from megatron_ext.moe.expert_wgrad import expert_weight_grad
 from megatron_ext.moe.route_map import RouteMap
 from megatron_ext.moe.row_autograd import detached_alias, dispatch_backward
 from megatron_ext.moe.transport.base import RowTransport
@@ -71,10 +72,11 @@ class _PayloadFc1(torch.autograd.Function):
     """Grouped up-projection that reads the MXFP8 payload and saves it (not a BF16 copy)."""
 
     @staticmethod
-    def forward(ctx, anchor, weight, offsets, payload: MXFP8Payload):
+    def forward(ctx, anchor, weight, offsets, payload: MXFP8Payload, wgrad_fusion: bool):
         expert_input = dequantize_packed(payload.packed, payload.hidden, payload.dtype)
         ctx.save_for_backward(payload.packed, weight, offsets)
         ctx.hidden, ctx.dtype = payload.hidden, payload.dtype
+        ctx.weight, ctx.wgrad_fusion = weight, wgrad_fusion  # the parameter, with DDP's main_grad
         return torch._grouped_mm(expert_input, weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
@@ -85,20 +87,22 @@ class _PayloadFc1(torch.autograd.Function):
         # dW = grad_out^T @ input per expert, formed as [L, 2F, H]: the weight's own contiguous
         # layout. (Forming [L, H, 2F] and transposing made AccumulateGrad copy the whole weight
         # gradient into the parameter's layout: a 1.7 ms strided copy per layer on the H200.)
-        grad_weight = torch._grouped_mm(grad_out.t(), expert_input, offs=offsets)
+        grad_weight = expert_weight_grad(ctx.weight, grad_out, expert_input, offsets, ctx.wgrad_fusion)
         grad_input = torch._grouped_mm(grad_out, weight, offs=offsets)
-        return grad_input, grad_weight, None, None
+        return grad_input, grad_weight, None, None, None
 
 
 def payload_fc1(anchor: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                payload: MXFP8Payload) -> torch.Tensor:
+                payload: MXFP8Payload, wgrad_fusion: bool = False) -> torch.Tensor:
     """fc1 of DeviceOffsetGroupedMLP on an MXFP8 payload: [C, 2F], rows past offsets[-1] never
-    read (the grouped GEMMs stop at the last offset). `anchor` carries the gradient edge."""
+    read (the grouped GEMMs stop at the last offset). `anchor` carries the gradient edge.
+    `wgrad_fusion`: the weight gradient goes into DDP's main_grad where the weight has one
+    (moe/expert_wgrad.py)."""
     rows = (payload.packed.shape[0], payload.hidden)
     if tuple(anchor.shape) != rows:
         raise ValueError(f"the experts got hidden {tuple(anchor.shape)} with an MXFP8 payload of {rows[0]} rows "
                          f"of {rows[1]}: pass the dispatcher's output and its MXFP8Rows together, unchanged")
-    return _PayloadFc1.apply(anchor, weight, offsets, payload)
+    return _PayloadFc1.apply(anchor, weight, offsets, payload, wgrad_fusion)
 
 
 def dispatch_row_bytes(hidden: int, dtype: torch.dtype, mxfp8_payload: bool) -> int:

@@ -339,6 +339,34 @@ def test_expert_wgrad_fusion_under_ddp_equals_ddp_add_eager_and_replayed(weights
             assert torch.equal(got, want), f"iteration {iteration}: replayed main_grad differs from eager"
 
 
+def test_replayed_wgrad_fusion_follows_main_grad_when_ddp_reallocates_it(weights):
+    """DDP's offload_grad_buffers / restore_grad_buffers reallocate main_grad: the runner captures
+    again (the old graphs would write freed memory) and main_grad equals eager's after it."""
+    eager, graphed = megatron_ddp(make_layer(weights)), megatron_ddp(make_layer(weights, cuda_graphs=True))
+    batches = [microbatch(140 + i) for i in range(2)]
+    for iteration in range(2):
+        grads = []
+        for ddp in (eager, graphed):
+            ddp.zero_grad_buffer()
+            for x, g in batches:
+                ddp(x.clone().requires_grad_(True))[0].backward(g)
+            ddp.finish_grad_sync()
+            grads.append([p.main_grad.clone() for p in ddp.module.experts.parameters()])
+            if iteration == 0:
+                buffers = ddp.buffers + ddp.expert_parallel_buffers
+                sizes = [(b.grad_data.numel(), b.grad_data.dtype) for b in buffers]
+                before = ddp.module.experts.fc1_weight.main_grad.data_ptr()
+                ddp.offload_grad_buffers()
+                held = [torch.empty(n, dtype=dtype, device="cuda") for n, dtype in sizes]  # the freed blocks
+                ddp.restore_grad_buffers()
+                assert ddp.module.experts.fc1_weight.main_grad.data_ptr() != before, "main_grad did not move"
+        runner = graphed.module._graph_runner
+        assert runner.eager_reason is None and runner.slots is not None
+        for got, want in zip(grads[1], grads[0]):
+            assert torch.equal(got, want), f"iteration {iteration}: replayed main_grad differs from eager"
+    del held
+
+
 def test_training_shape_stack_with_aux_loss_under_ddp_matches_eager():
     """check_training_shape_stack in a fresh process: the corruption it guards against depended on
     the allocator's state (it showed when this ran alone, not after the other tests here)."""

@@ -50,7 +50,8 @@ def _warnings_when_built(rank, world, fusion, dtype, wgrad_fusion, overrides):
 @pytest.mark.parametrize("fusion,dtype,wgrad_fusion,overrides,said", [
     (True, torch.bfloat16, True, {}, False),  # the fast path adds to main_grad in its GEMM (moe/expert_wgrad.py)
     (True, torch.bfloat16, False, {}, True),  # --moe-ext-no-expert-wgrad-fusion
-    (True, torch.bfloat16, True, {"add_bias_linear": True}, True),  # a variant off the fast path
+    (True, torch.bfloat16, True, {"add_bias_linear": True}, False),  # the general paths fuse too
+    (True, torch.bfloat16, True, {"ffn": 12}, True),  # sizes off 16 bytes: GEMMs on zero-padded weight copies
     (False, torch.bfloat16, False, {}, False), (True, torch.float32, False, {}, False)])
 def test_gradient_accumulation_fusion_is_said_once_where_it_changes_rounding(fusion, dtype, wgrad_fusion, overrides,
                                                                                said):

@@ -255,3 +255,52 @@ def _mxfp8_rank(rank, world):
 
 def test_mxfp8_dispatch_feeds_every_variant():
     run_on_ranks(_mxfp8_rank, 2, sizes=ParallelSizes(ep=2))
+
+
+RECOMPUTE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
+
+
+def _main_grad_rank(rank, world):
+    """Each variant's weight gradients added to main_grad in the GEMM (moe/expert_wgrad.py, CPU
+    reference sum) against the same module's plain gradients that DDP would add: bf16, aligned
+    sizes, activation kept and recomputed, an MXFP8 payload for fc1; biases keep DDP's add."""
+    from megatron_ext.formats import mxfp8
+    from megatron_ext.moe.mxfp8_dispatch import MXFP8Payload
+    from megatron_ext.testing.ddp_main_grads import attach_main_grads
+
+    torch.manual_seed(6)
+    experts, counts, hidden, ffn = 4, torch.tensor([7, 0, 12, 9]), 32, 16
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), hidden).bfloat16()
+    probs, grad_out = torch.rand(x.shape[0]) + 0.1, torch.randn(x.shape).bfloat16()
+    packed = mxfp8.pack_rows(mxfp8.quantize_rows(x))
+    checked = []
+    for name in variants():
+        for extra, payload in (({}, None), (RECOMPUTE_ACT, None), ({}, MXFP8Payload(packed, hidden, x.dtype))):
+            config = variant_config(name, hidden=hidden, ffn=ffn, experts=experts, dtype=torch.bfloat16, **extra)
+            if payload is not None and config.moe_apply_probs_on_input:
+                continue  # MXFP8 dispatch carries the token rows; probabilities on the input change them first
+            params = ExpertParams.random(config, seed=11)
+            grads = {}
+            for fuse in (False, True):
+                module = DeviceOffsetGroupedMLP(experts, config, wgrad_fusion=fuse)
+                load_expert_params(module, params)
+                weights = [module.fc1_weight, module.fc2_weight]
+                attach_main_grads(module.parameters())
+                rows = x.clone().requires_grad_(True)
+                module.forward_offsets(rows, offsets, probs.clone(), payload).backward(grad_out)
+                assert [w.grad_added_to_main_grad for w in weights] == [fuse, fuse], (name, extra, fuse)
+                biases = [b for b in (module.fc1_bias, module.fc2_bias) if b is not None]
+                assert not any(b.grad_added_to_main_grad for b in biases), "biases keep DDP's add"
+                grads[fuse] = [p.main_grad.clone() for p in module.parameters()] + [rows.grad.clone()]
+            case = f"{name} {'recompute ' if extra else ''}{'mxfp8' if payload is not None else ''}"
+            for plain, fused in zip(grads[False], grads[True]):
+                relative = ((fused - plain).float().norm() / plain.float().norm().clamp_min(1e-12)).item()
+                assert relative < 1e-2, f"{case}: fused main_grad off by {relative:.2e} from DDP's add"
+            checked.append(case)
+    return checked
+
+
+def test_every_variant_adds_its_weight_gradients_to_main_grad():
+    checked = run_on_ranks(_main_grad_rank, 1, sizes=ParallelSizes())[0]
+    assert len(checked) >= 2 * len(variants()) + len(variants()) - 1, checked

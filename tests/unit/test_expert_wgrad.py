@@ -12,12 +12,12 @@ import torch
 
 from megatron_ext.cuda_graphs.main_grads import flag_added, flagged_by, main_grads_set_aside
 from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
-from megatron_ext.moe.expert_wgrad import expert_weight_grad
+from megatron_ext.moe.expert_wgrad import expert_weight_grad, grouped_linear
 from megatron_ext.testing.ddp_main_grads import attach_main_grads, zero_main_grads
 from megatron_ext.testing.expert_steps import expert_counts, expert_rows
 from tests.unit.interpreter import run_under_interpreter
 
-EXPERTS, HIDDEN, FFN, CAPACITY, VALID = 4, 8, 12, 24, 19
+EXPERTS, HIDDEN, FFN, CAPACITY, VALID = 4, 8, 16, 24, 19  # bf16 rows: 16-byte strides
 
 
 def test_kernel_equals_the_definition_under_interpreter():
@@ -27,14 +27,19 @@ def test_kernel_equals_the_definition_under_interpreter():
 
 
 def _weights(seed=3):
+    """bf16 weights: the fusion takes 16-bit rows (fp32 rows would be rounded to TF32 by Triton's dot)."""
     gen = torch.Generator().manual_seed(seed)
-    fc1 = (torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=gen) * 0.3).requires_grad_(True)
-    fc2 = (torch.randn(EXPERTS, HIDDEN, FFN, generator=gen) * 0.3).requires_grad_(True)
+    fc1 = (torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=gen) * 0.3).bfloat16().requires_grad_(True)
+    fc2 = (torch.randn(EXPERTS, HIDDEN, FFN, generator=gen) * 0.3).bfloat16().requires_grad_(True)
     return fc1, fc2
 
 
+def _relative(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
 def _microbatch(seed):
-    x, probs, grad_out = expert_rows(CAPACITY, HIDDEN, seed=seed, dtype=torch.float32, device="cpu")
+    x, probs, grad_out = expert_rows(CAPACITY, HIDDEN, seed=seed, dtype=torch.bfloat16, device="cpu")
     counts = expert_counts(EXPERTS, VALID, seed=seed + 1, empty=(1,))
     return x, probs, grad_out, torch.cumsum(counts, 0, dtype=torch.int32)
 
@@ -68,8 +73,9 @@ def test_weight_gradients_go_to_main_grad_over_microbatches(recompute):
         assert fc1.grad is None and fc2.grad is None, "the placeholder reached param.grad"
         input_grads.append(x.grad)
     want1, want2 = _weight_grads_fp64(fc1, fc2, batches)
-    torch.testing.assert_close(fc1.main_grad.double(), want1, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fc2.main_grad.double(), want2, rtol=1e-5, atol=1e-6)
+    # bf16 intermediates (the SwiGLU gradient, the activation) against fp64 ones: ~1e-3; a gradient
+    # added twice or not at all would be off by ~50%.
+    assert _relative(fc1.main_grad, want1) < 1e-2 and _relative(fc2.main_grad, want2) < 1e-2
     assert torch.equal(fc1.main_grad[1], torch.zeros_like(fc1.main_grad[1])), "the empty expert's main_grad"
     # The other gradients do not depend on where the weight gradients go.
     for (x, probs, grad_out, offsets), got in zip(batches, input_grads):
@@ -86,8 +92,7 @@ def test_fusion_off_hands_ddp_the_gradient_to_add():
         swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=False).backward(grad_out)
         assert not fc1.grad_added_to_main_grad and not fc2.grad_added_to_main_grad
     want1, want2 = _weight_grads_fp64(fc1, fc2, batches)
-    torch.testing.assert_close(fc1.main_grad.double(), want1, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fc2.main_grad.double(), want2, rtol=1e-5, atol=1e-6)
+    assert _relative(fc1.main_grad, want1) < 1e-2 and _relative(fc2.main_grad, want2) < 1e-2
 
 
 def test_without_ddp_the_weights_get_plain_gradients():
@@ -95,22 +100,61 @@ def test_without_ddp_the_weights_get_plain_gradients():
     x, probs, grad_out, offsets = _microbatch(10)
     swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=True).backward(grad_out)
     want1, want2 = _weight_grads_fp64(fc1, fc2, [(x, probs, grad_out, offsets)])
-    torch.testing.assert_close(fc1.grad.double(), want1, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fc2.grad.double(), want2, rtol=1e-5, atol=1e-6)
+    assert _relative(fc1.grad, want1) < 1e-2 and _relative(fc2.grad, want2) < 1e-2
     assert not hasattr(fc1, "grad_added_to_main_grad")
 
 
 def test_placeholder_is_zeros_where_ddp_adds_it_anyway():
-    weight = torch.zeros(2, 3, 4, requires_grad=True)
+    weight = torch.zeros(2, 3, 4, dtype=torch.bfloat16, requires_grad=True)
     attach_main_grads([weight])
-    left, right = torch.randn(5, 3), torch.randn(5, 4)
+    left, right = torch.randn(5, 3).bfloat16(), torch.randn(5, 4).bfloat16()
     ends = torch.tensor([2, 5], dtype=torch.int32)
     placeholder = expert_weight_grad(weight, left, right, ends, fuse=True)
     assert placeholder.shape == weight.shape and weight.grad_added_to_main_grad
     weight.zero_out_wgrad = True  # DDP's hook adds param.grad even with the flag set
     assert torch.equal(expert_weight_grad(weight, left, right, ends, fuse=True), torch.zeros_like(weight))
+    left, right = left.float(), right.float()
     want = torch.stack([left[:2].t() @ right[:2], left[2:].t() @ right[2:]])
     torch.testing.assert_close(weight.main_grad, 2 * want)
+
+
+def test_fp32_rows_and_fsdp_params_keep_the_plain_gradient():
+    """fp32 rows: Triton's dot would round them to TF32. Megatron-FSDP's main_grad is a bucket it
+    hands out per microbatch, not a buffer to add to."""
+    weight = torch.zeros(2, 4, 8, requires_grad=True)
+    attach_main_grads([weight])
+    left, right = torch.randn(8, 4), torch.randn(8, 8)
+    ends = torch.tensor([2, 8], dtype=torch.int32)
+    grad = expert_weight_grad(weight, left, right, ends, fuse=True)
+    assert not weight.grad_added_to_main_grad and torch.equal(weight.main_grad, torch.zeros_like(weight))
+    torch.testing.assert_close(grad[0], left[:2].t() @ right[:2])
+    weight16 = torch.zeros(2, 8, 8, dtype=torch.bfloat16, requires_grad=True)
+    attach_main_grads([weight16])
+    weight16.__fsdp_param__ = True
+    rows16 = torch.randn(8, 8).bfloat16()
+    expert_weight_grad(weight16, rows16, rows16, ends, fuse=True)
+    assert not weight16.grad_added_to_main_grad and torch.equal(weight16.main_grad, torch.zeros_like(weight16))
+
+
+def test_grouped_linear_node_equals_torch_autograd_and_fuses_under_ddp():
+    gen = torch.Generator().manual_seed(8)
+    rows = torch.randn(CAPACITY, HIDDEN, generator=gen).bfloat16()
+    grad_out = torch.randn(CAPACITY, FFN, generator=gen).bfloat16()
+    weight = (torch.randn(EXPERTS, FFN, HIDDEN, generator=gen) * 0.3).bfloat16()
+    offsets = torch.cumsum(expert_counts(EXPERTS, VALID, seed=9, empty=(2,)), 0, dtype=torch.int32)
+    want_rows, want_weight = rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    torch._grouped_mm(want_rows, want_weight.transpose(1, 2), offs=offsets)[:VALID].backward(grad_out[:VALID])
+    got_rows, got_weight = rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = grouped_linear(got_rows, got_weight, offsets, fuse=True)  # no DDP: a plain gradient
+    out[:VALID].backward(grad_out[:VALID])
+    assert torch.equal(got_rows.grad[:VALID], want_rows.grad[:VALID])
+    torch.testing.assert_close(got_weight.grad.float(), want_weight.grad.float(), rtol=1e-2, atol=1e-2)
+    assert got_weight.grad.is_contiguous(), "the weight gradient comes in the parameter's layout"
+    fused = weight.clone().requires_grad_(True)
+    attach_main_grads([fused])
+    grouped_linear(rows, fused, offsets, fuse=True)[:VALID].backward(grad_out[:VALID])
+    assert fused.grad is None and fused.grad_added_to_main_grad
+    torch.testing.assert_close(fused.main_grad, want_weight.grad.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_main_grad_of_another_shape_is_not_written():
@@ -129,8 +173,12 @@ def test_graph_runner_helpers_keep_main_grad_and_learn_the_flags():
     originals = [fc1.main_grad, fc2.main_grad]
     x, probs, grad_out, offsets = _microbatch(10)
     with main_grads_set_aside([fc1, fc2, router]):  # a warm-up step
+        stand_ins = [fc1.main_grad, fc2.main_grad]
+        assert all(s.untyped_storage().data_ptr() == stand_ins[0].untyped_storage().data_ptr() for s in stand_ins), \
+            "the stand-ins share one scratch buffer (the warm-up's sums are thrown away)"
+        assert stand_ins[0].data_ptr() != originals[0].data_ptr() and stand_ins[0].shape == originals[0].shape
         swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=True).backward(grad_out)
-        assert fc1.main_grad.abs().sum() > 0, "the warm-up adds to the stand-in"
+        assert fc1.grad_added_to_main_grad, "the warm-up's backward went to the stand-in"
     assert fc1.main_grad is originals[0] and fc2.main_grad is originals[1]
     assert torch.equal(fc1.main_grad, torch.zeros_like(fc1.main_grad)), "a warm-up step reached main_grad"
     zero_main_grads([fc1, fc2, router])
@@ -170,3 +218,30 @@ def test_the_setting_reaches_the_experts_of_both_dispatchers():
         assert experts.keywords["wgrad_fusion"] is False, dispatcher
     experts = moe_builder(MoEExtConfig()).keywords["submodules"].experts
     assert getattr(experts, "keywords", {}).get("wgrad_fusion", True), "fusion is the default"
+
+
+def test_graph_runner_captures_again_when_main_grad_moved():
+    """A captured backward writes main_grad where it was at capture: after DDP re-created its
+    gradient buffers the runner drops its graphs (to capture again), or refuses while a
+    microbatch is live in them."""
+    from types import SimpleNamespace
+
+    from megatron_ext.cuda_graphs.main_grads import main_grad_addresses, main_grads_moved
+    from megatron_ext.cuda_graphs.runner import GraphedMoELayer
+
+    fc1, fc2 = _weights()
+    attach_main_grads([fc1, fc2])
+    addresses = main_grad_addresses([fc1, fc2])
+    assert not main_grads_moved([fc1, fc2], addresses)
+    fc2.main_grad = fc2.main_grad.clone()  # as restore_grad_buffers reallocates the storage
+    assert main_grads_moved([fc1, fc2], addresses)
+
+    runner = GraphedMoELayer(torch.nn.Linear(2, 2), num_slots=1)
+    graph = SimpleNamespace(reset=lambda: None)
+    runner.slots = [SimpleNamespace(busy=True, forward_graph=graph, backward_graph=graph)]
+    runner.main_grad_params = [fc1, fc2]
+    with pytest.raises(RuntimeError, match="moved while microbatches are live"):
+        runner._drop_for_moved_main_grads()
+    runner.slots[0].busy = False
+    runner._drop_for_moved_main_grads()
+    assert runner.slots is None and runner.main_grad_params == []
