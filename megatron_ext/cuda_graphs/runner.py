@@ -218,13 +218,20 @@ class GraphedMoELayer:
         return _ReplaySlot.apply(hidden, self, slot, *self.params), None
 
     def _drop_for_moved_main_grads(self) -> None:
-        """DDP's gradient buffers were re-created since capture: the graphs would write freed memory."""
+        """DDP's gradient buffers were re-created since capture: the graphs would write freed memory.
+        With one rank, capture again. At EP > 1 a rank cannot tell whether its peers' buffers moved
+        too (they capture together, or a rank warming up would wait on peers replaying), so the
+        caller drops every rank's graphs at the same point."""
+        problem = ("the main_grad of parameters whose weight gradients the MoE layer's CUDA graphs add to "
+                   "main_grad moved since capture (DDP's gradient buffers were re-created, e.g. by "
+                   "offload_grad_buffers / restore_grad_buffers)")
         if any(slot.busy for slot in self.slots):
-            raise RuntimeError("the main_grad of parameters whose weight gradients the MoE layer's CUDA graphs add "
-                               "to main_grad moved while microbatches are live in the graphs; re-create DDP's "
-                               "gradient buffers (offload_grad_buffers / restore_grad_buffers) between iterations")
-        logger.info("megatron_ext: DDP's main_grad moved since the MoE layer's CUDA graphs were captured; "
-                    "capturing again")
+            raise RuntimeError(f"{problem} while microbatches are live in the graphs; re-create the buffers "
+                               f"between iterations")
+        if ep_group_of(self.layer) is not None:
+            raise RuntimeError(f"{problem}; at EP > 1 call megatron_ext.cuda_graphs.release_cuda_graphs(model) on "
+                               f"every rank after re-creating them, so that all ranks capture again together")
+        logger.info("megatron_ext: %s; capturing again", problem)
         self.reset()
 
     def _fall_back(self, reason: str, hidden: torch.Tensor):

@@ -220,7 +220,7 @@ def test_the_setting_reaches_the_experts_of_both_dispatchers():
     assert getattr(experts, "keywords", {}).get("wgrad_fusion", True), "fusion is the default"
 
 
-def test_graph_runner_captures_again_when_main_grad_moved():
+def test_graph_runner_captures_again_when_main_grad_moved(monkeypatch):
     """A captured backward writes main_grad where it was at capture: after DDP re-created its
     gradient buffers the runner drops its graphs (to capture again), or refuses while a
     microbatch is live in them."""
@@ -240,8 +240,16 @@ def test_graph_runner_captures_again_when_main_grad_moved():
     graph = SimpleNamespace(reset=lambda: None)
     runner.slots = [SimpleNamespace(busy=True, forward_graph=graph, backward_graph=graph)]
     runner.main_grad_params = [fc1, fc2]
-    with pytest.raises(RuntimeError, match="moved while microbatches are live"):
+    with pytest.raises(RuntimeError, match="while microbatches are live in the graphs"):
         runner._drop_for_moved_main_grads()
     runner.slots[0].busy = False
+    from megatron_ext.cuda_graphs import runner as runner_module
+
+    with monkeypatch.context() as patch:  # EP > 1: every rank must drop its graphs at the same point
+        patch.setattr(runner_module, "ep_group_of", lambda layer: object())
+        with pytest.raises(RuntimeError, match=r"at EP > 1 call megatron_ext.cuda_graphs.release_cuda_graphs"):
+            runner._drop_for_moved_main_grads()
     runner._drop_for_moved_main_grads()
     assert runner.slots is None and runner.main_grad_params == []
+    from megatron_ext.cuda_graphs import release_cuda_graphs  # the function the message names
+    assert callable(release_cuda_graphs)
