@@ -74,15 +74,19 @@ def accumulate_grouped_wgrad(left: torch.Tensor, right: torch.Tensor, ends: torc
     if left.dim() != 2 or right.dim() != 2 or left.shape[0] != right.shape[0]:
         raise ValueError(f"accumulate_grouped_wgrad: left and right must be [rows, M] and [rows, N] with the same "
                          f"rows, got {tuple(left.shape)} and {tuple(right.shape)}")
-    experts, m, n = out.shape if out.dim() == 3 else (None, None, None)
-    if experts is None or (m, n) != (left.shape[1], right.shape[1]) or ends.shape != (experts,):
-        raise ValueError(f"accumulate_grouped_wgrad: out must be [L, M, N] = [{ends.shape[0]}, {left.shape[1]}, "
-                         f"{right.shape[1]}] for {ends.shape[0]} experts, got {tuple(out.shape)}")
+    if ends.dim() != 1 or ends.dtype != torch.int32:
+        raise ValueError(f"accumulate_grouped_wgrad: ends must be the int32 end offsets [L], got {ends.dtype} "
+                         f"{tuple(ends.shape)}")
+    experts, m, n = ends.shape[0], left.shape[1], right.shape[1]
+    if tuple(out.shape) != (experts, m, n):
+        raise ValueError(f"accumulate_grouped_wgrad: out must be [L, M, N] = [{experts}, {m}, {n}], got "
+                         f"{tuple(out.shape)}")
     if not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"accumulate_grouped_wgrad: out must be contiguous fp32 or bf16 (main_grad), got "
                          f"{out.dtype}{'' if out.is_contiguous() else ', strided'}")
-    if left.stride(1) != 1 or right.stride(1) != 1 or ends.dtype != torch.int32:
-        raise ValueError("accumulate_grouped_wgrad: left and right need unit column stride and ends int32")
+    if left.stride(1) != 1 or right.stride(1) != 1:
+        raise ValueError(f"accumulate_grouped_wgrad: left and right need unit column stride (row-major rows), got "
+                         f"strides {left.stride()} and {right.stride()}; pass .contiguous() rows")
     if experts == 0 or left.shape[0] == 0:
         return
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), experts)

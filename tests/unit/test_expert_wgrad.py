@@ -253,3 +253,21 @@ def test_graph_runner_captures_again_when_main_grad_moved(monkeypatch):
     assert runner.slots is None and runner.main_grad_params == []
     from megatron_ext.cuda_graphs import release_cuda_graphs  # the function the message names
     assert callable(release_cuda_graphs)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(right=torch.zeros(7, 8)), "left and right must be \\[rows, M\\] and \\[rows, N\\] with the same rows"),
+    (dict(ends=torch.tensor([2, 8])), "ends must be the int32 end offsets \\[L\\], got torch.int64"),
+    (dict(out=torch.zeros(3, 4, 8)), "out must be \\[L, M, N\\] = \\[2, 4, 8\\], got \\(3, 4, 8\\)"),
+    (dict(out=torch.zeros(2, 4, 8, dtype=torch.float16)), "out must be contiguous fp32 or bf16"),
+    (dict(out=torch.zeros(2, 8, 4).transpose(1, 2)), "out must be contiguous fp32 or bf16 .*strided"),
+    (dict(left=torch.zeros(4, 8).t()), "unit column stride .*pass .contiguous\\(\\) rows"),
+])
+def test_kernel_arguments_are_checked_before_any_launch(change, message):
+    from megatron_ext.kernels.grouped_wgrad import accumulate_grouped_wgrad
+
+    arguments = dict(left=torch.zeros(8, 4), right=torch.zeros(8, 8), ends=torch.tensor([2, 8], dtype=torch.int32),
+                     out=torch.zeros(2, 4, 8))
+    arguments.update(change)
+    with pytest.raises(ValueError, match=message):
+        accumulate_grouped_wgrad(**arguments)
