@@ -2,13 +2,14 @@
 DDP's add (today's path without gradient-accumulation fusion) against the Triton kernel that
 accumulates into main_grad in its epilogue (kernels/grouped_wgrad.py).
 
-    python tools/bench_wgrad.py [--tokens 8192] [--skew 0.0] [--tiles 128x128x32x4x4,...]
+    python tools/bench_wgrad.py [--tokens 8192] [--skew 0.0] [--main-grad-dtype fp32] [--tiles 128x128x64x4x3,...]
 
 Both weight gradients of one layer step (fc1 [L, 2F, H] and fc2 [L, H, F]) per timed step, on
 the same rows, offsets and main_grad, timed in turns (device time, CUDA events). Also printed:
 the grouped GEMMs alone (the floor today's path has without its add) and whether the kernel's
 main_grad matches an fp32 reference. `--tiles` times more tile configurations in the same turns
-(block_m x block_n x block_rows x warps x stages each).
+(block_m x block_n x block_rows x warps x stages each). main_grad is fp32 in Megatron's bf16
+training by default and bf16 with `--grad-reduce-in-bf16` (`--main-grad-dtype bf16`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main():
     parser.add_argument("--iters", type=positive_int, default=10)
     parser.add_argument("--tiles", type=list_of(tiles_arg, "tile configurations"), default=[],
                         help="more tile configurations to time, e.g. 128x128x32x4x4,256x128x32x8x4")
+    parser.add_argument("--main-grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="fp32 (Megatron's default in bf16 training) or bf16 (--grad-reduce-in-bf16)")
     parser.add_argument("--name", default="wgrad")
     args = parser.parse_args()
     if args.capacity_factor < 1 or args.skew < 0:
@@ -75,8 +78,9 @@ def main():
     hidden, ffn, experts = args.hidden, args.ffn, args.experts
     rows = {name: torch.randn(buffer_rows, width, device="cuda").bfloat16()
             for name, width in (("x", hidden), ("grad_fc1_out", 2 * ffn), ("act", ffn), ("grad_out", hidden))}
-    main_grads = {"fc1": torch.zeros(experts, 2 * ffn, hidden, device="cuda"),
-                  "fc2": torch.zeros(experts, hidden, ffn, device="cuda")}
+    grad_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.main_grad_dtype]
+    main_grads = {"fc1": torch.zeros(experts, 2 * ffn, hidden, device="cuda", dtype=grad_dtype),
+                  "fc2": torch.zeros(experts, hidden, ffn, device="cuda", dtype=grad_dtype)}
     operands = {"fc1": (rows["grad_fc1_out"], rows["x"]), "fc2": (rows["grad_out"], rows["act"])}
 
     def grouped_mm_only():
@@ -102,7 +106,7 @@ def main():
         for expert, (start, end) in enumerate(zip(first, ends.tolist())):
             reference = left[start:end].float().t() @ right[start:end].float()
             scale = reference.abs().max().clamp_min(1e-6)
-            worst = max(worst, float((main_grads[name][expert] - reference).abs().max() / scale))
+            worst = max(worst, float((main_grads[name][expert].float() - reference).abs().max() / scale))
     print(f"fused main_grad against an fp32 reference: max error {worst:.2e} of each expert's largest value")
 
     steps = {"grouped_mm + add": grouped_mm_and_add, "grouped_mm only": grouped_mm_only,
@@ -113,7 +117,8 @@ def main():
         step()
     timings = interleaved_ms(steps, rounds=args.rounds, iters=args.iters, timer=cuda_time_ms)
     flops = 2 * routed * hidden * 3 * ffn  # per routed row: fc1 2F x H and fc2 H x F multiply-adds
-    print(f"\n{args.tokens} tokens x top-{args.topk}, {experts} experts, hidden {hidden}, ffn {ffn}, skew {args.skew}")
+    print(f"\n{args.tokens} tokens x top-{args.topk}, {experts} experts, hidden {hidden}, ffn {ffn}, skew {args.skew}, "
+          f"{args.main_grad_dtype} main_grad")
     print(f"{'path':34s} {'ms (min..max)':>22s} {'x today':>8s} {'TFLOP/s':>8s}")
     base = "grouped_mm + add"
     for name, timing in timings.items():

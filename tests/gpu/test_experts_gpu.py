@@ -224,7 +224,8 @@ def test_one_node_fast_path_equals_torch_autograd_of_the_three_ops():
 def test_grouped_wgrad_kernel_accumulates_into_main_grad():
     """kernels/grouped_wgrad.py on CUDA: out[e] += left_e^T @ right_e, fp32 and bf16 main_grad,
     sizes off the tile, an empty expert untouched, NaN rows past the last offset never read,
-    against an fp32 reference; the same bits on a second run."""
+    against an fp32 reference; the same bits on a second run. Rows read by TMA (aligned) and,
+    as views off 16 bytes, by masked loads."""
     from megatron_ext.kernels.grouped_wgrad import accumulate_grouped_wgrad
 
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -234,7 +235,12 @@ def test_grouped_wgrad_kernel_accumulates_into_main_grad():
     right = torch.randn(rows + tail, n, device="cuda", generator=gen).bfloat16()
     left[rows:], right[rows:] = float("nan"), float("nan")
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+    # the same rows one column into wider rows: off 16 bytes, so no TMA descriptor can read them
+    left_off, right_off = (torch.cat([t[:, :1], t], dim=1)[:, 1:] for t in (left, right))
+    assert left_off.data_ptr() % 16 and right_off.data_ptr() % 16
+    cases = [(dtype, tolerance, pair) for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2))
+             for pair in ((left, right), (left_off, right_off))]
+    for dtype, tolerance, (left, right) in cases:
         start = torch.randn(len(counts), m, n, device="cuda", generator=gen).to(dtype)
         want, first = start.float().clone(), 0
         for expert, count in enumerate(counts):
@@ -248,7 +254,9 @@ def test_grouped_wgrad_kernel_accumulates_into_main_grad():
         assert torch.equal(runs[0], runs[1]), "two runs differ"
         assert torch.equal(runs[0][1], start[1]), "the empty expert's main_grad changed"
         assert torch.isfinite(runs[0]).all(), "a row past the last offset was read"
-        assert_close(runs[0].float(), want.to(dtype).float(), tolerance, f"grouped wgrad into {dtype} main_grad")
+        read = "TMA" if left.data_ptr() % 16 == 0 else "masked loads"
+        assert_close(runs[0].float(), want.to(dtype).float(), tolerance,
+                     f"grouped wgrad into {dtype} main_grad ({read})")
 
 
 def _main() -> int:

@@ -1,7 +1,8 @@
 """The grouped weight gradient accumulated into main_grad (kernels/grouped_wgrad.py) against the
 definition, under Triton's CPU interpreter: out[e] += left_e^T @ right_e over each expert's rows,
-fp32 and bf16 outputs, sizes that are not multiples of a tile, an expert with no rows (its
-output untouched), rows past the last offset holding NaN (never read), several tile shapes.
+fp32 and bf16 outputs, rows read by TMA and (off 16 bytes) by masked loads, sizes that are not
+multiples of a tile, an expert with no rows (its output untouched), rows past the last offset
+holding NaN (never read), several tile shapes.
 
     TRITON_INTERPRET=1 python tests/unit/_grouped_wgrad_interp.py
 """
@@ -14,13 +15,17 @@ import sys
 import torch
 
 
-def check_case(counts, m, n, out_dtype, tiles, tail, seed) -> None:
+def check_case(counts, m, n, out_dtype, tiles, tail, seed, misaligned=False) -> None:
     from megatron_ext.kernels.grouped_wgrad import accumulate_grouped_wgrad
 
     gen = torch.Generator().manual_seed(seed)
     rows = sum(counts)
     left = torch.randn(rows + tail, m, generator=gen).bfloat16()
     right = torch.randn(rows + tail, n, generator=gen).bfloat16()
+    if misaligned:  # views one column into wider rows: off 16 bytes, so the masked-load path reads them
+        left = torch.cat([left[:, :1], left], dim=1)[:, 1:]
+        right = torch.cat([right[:, :1], right], dim=1)[:, 1:]
+        assert left.data_ptr() % 16 and right.data_ptr() % 16
     left[rows:], right[rows:] = float("nan"), float("nan")  # past ends[-1]: must never be read
     ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     start = torch.randn(len(counts), m, n, generator=gen).to(out_dtype)
@@ -38,7 +43,7 @@ def check_case(counts, m, n, out_dtype, tiles, tail, seed) -> None:
     assert not out.isnan().any(), "a row past ends[-1] was read"
     tolerance = 1e-4 if out_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.to(out_dtype).float(), rtol=tolerance, atol=tolerance * 8)
-    print(f"ok counts={counts} m={m} n={n} {out_dtype} tiles={tuple(tiles)} tail={tail}")
+    print(f"ok counts={counts} m={m} n={n} {out_dtype} tiles={tuple(tiles)} tail={tail} misaligned={misaligned}")
 
 
 def main() -> int:
@@ -57,6 +62,10 @@ def main() -> int:
                tail=0, seed=2)
     check_case([0, 0], m=16, n=16, out_dtype=torch.float32, tiles=small, tail=3, seed=3)
     check_case([130, 7], m=24, n=72, out_dtype=torch.float32, tiles=WgradTiles(), tail=9, seed=4)
+    check_case([40, 0, 17, 70], m=48, n=40, out_dtype=torch.float32, tiles=small, tail=5, seed=5, misaligned=True)
+    check_case([40, 0, 17, 70], m=48, n=40, out_dtype=torch.bfloat16, tiles=small, tail=5, seed=6, misaligned=True)
+    whole_steps = WgradTiles(block_m=32, block_n=32, block_rows=32)  # every count a multiple: no partial step
+    check_case([64, 128, 32], m=32, n=48, out_dtype=torch.float32, tiles=whole_steps, tail=4, seed=7)
     print("all grouped wgrad interpreter checks passed")
     return 0
 
