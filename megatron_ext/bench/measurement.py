@@ -108,13 +108,28 @@ def held_after(fn: Callable[[], object]) -> tuple[object, int]:
 
 
 def held_for_backward(layer, x, grad_out) -> int:
-    """Device bytes one forward of `layer` leaves allocated for its backward, its output included
-    (measured while the output is alive), then the backward runs (a layer may hold buffers until
-    it has)."""
+    """Device bytes one forward of `layer` holds for its backward, its output included: allocated
+    while the output is alive, less what stays allocated once the backward has run and the output
+    and gradients are dropped. So a cache the forward creates on first use, or a previous step's
+    buffer it releases when it makes its own, does not count; the caller's parameter gradients are
+    left as they were."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    callers_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
     x = x.clone().requires_grad_(True)
-    (out, _), held = held_after(lambda: layer(x))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out, _ = layer(x)
+    torch.cuda.synchronize()
+    alive = torch.cuda.memory_allocated() - before
     out.backward(grad_out)
-    return held
+    del out
+    x.grad = None
+    for p, grad in zip(params, callers_grads):
+        p.grad = grad
+    torch.cuda.synchronize()
+    return alive - (torch.cuda.memory_allocated() - before)
 
 
 def make_step(layer, x, grad_out):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.bench.measurement import held_after
+from megatron_ext.bench.measurement import held_for_backward
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, moe_config
@@ -39,14 +39,14 @@ def batch(seed):
 
 
 def step(layer, x, g):
-    """(results, bytes held from before the forward to after it, with its output alive)."""
+    """The results of one forward+backward."""
     for p in layer.parameters():
         p.grad = None
     x = x.clone().requires_grad_(True)
-    (out, _), held = held_after(lambda: layer(x))
+    out, _ = layer(x)
     out.backward(g)
     grads = [p.grad for p in (layer.experts.fc1_weight, layer.experts.fc2_weight, layer.router.weight)]
-    return [out.detach(), x.grad, *grads], held
+    return [out.detach(), x.grad, *grads]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -55,10 +55,10 @@ def test_recompute_changes_no_result_and_frees_the_activation(weights, variant):
     for seed in range(3):
         x, g = batch(seed)
         step(kept, x, g), step(recomputed, x, g)  # first step: buffers, kernels
-        want, kept_bytes = step(kept, x, g)
-        got, recomputed_bytes = step(recomputed, x, g)
+        want, got = step(kept, x, g), step(recomputed, x, g)
         for name, a, b in zip(("output", "input grad", "fc1 grad", "fc2 grad", "router grad"), got, want):
             assert torch.equal(a, b), f"{variant} seed {seed}: {name} differs with recompute"
+        kept_bytes, recomputed_bytes = held_for_backward(kept, x, g), held_for_backward(recomputed, x, g)
         activation = kept.token_dispatcher.capacity * SHAPE["ffn"] * 2  # bf16 [C, F]
         assert kept_bytes - recomputed_bytes >= activation, (variant, kept_bytes, recomputed_bytes, activation)
 
@@ -68,8 +68,8 @@ def test_graph_runner_replays_recompute_equal_to_eager(weights, variant):
     eager, graphed = make_layer(weights, variant, True), make_layer(weights, variant, True, cuda_graphs=True)
     for seed in range(4):  # capture, then replays with new inputs and routes
         x, g = batch(100 + seed)
-        want, _ = step(eager, x, g)
-        got, _ = step(graphed, x, g)
+        want = step(eager, x, g)
+        got = step(graphed, x, g)
         assert graphed._graph_runner.eager_reason is None, graphed._graph_runner.eager_reason
         for name, a, b in zip(("output", "input grad"), got, want):
             assert torch.equal(a, b), f"{variant} step {seed}: replayed {name} differs from eager"
