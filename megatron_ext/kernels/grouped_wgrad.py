@@ -6,11 +6,13 @@ device end offsets, as the grouped GEMMs read them) and `out` is [L, M, N] fp32 
 (Megatron's DDP main_grad). One program owns one [BLOCK_M, BLOCK_N] tile of one expert and
 loops over that expert's rows (a bound read on the device: no host sync, graph-safe), summing in
 fp32; it adds its sum to `out` once, so every element is written by one program (the same bits
-run to run). Experts without rows leave `out` untouched. Rows at or past ends[-1] are never read.
+run to run). Experts without rows leave `out` untouched. Rows at or past ends[-1] are never read;
+ends[-1] <= rows is the caller's to keep (checking it would need a host sync).
 Where the rows are 16-byte aligned the whole row steps are read by TMA (host descriptors over the
 full buffers) and only an expert's last, partial step by masked loads; an fp32 `out` takes the
-sum by one relaxed atomic add per element (done in L2, no registers held for the old values),
-a bf16 `out` by a load, an fp32 add and a store.
+sum by one relaxed atomic add per element (done in L2, no registers held for the old values;
+the same bits as a load, add and store except that the hardware's fp32 atomic flushes subnormal
+values to zero), a bf16 `out` by a load, an fp32 add and a store (rounded once).
 
 Cost removed: `torch._grouped_mm` returns the weight gradient as a fresh 16-bit tensor, which
 Megatron's DDP then adds to main_grad in a separate pass (read 2 + 4 bytes, write 4, per weight:
@@ -88,7 +90,7 @@ def _wgrad_accumulate_kernel(left_ptr, right_ptr, left_desc, right_desc, out_ptr
             for first in range(start, end, BLOCK_ROWS):
                 acc = _masked_step(acc, left_ptr, right_ptr, first, end, cols_m, cols_n, M, N, left_stride,
                                    right_stride, BLOCK_ROWS)
-        place = out_ptr + expert.to(tl.int64) * M * N + cols_m[:, None] * N + cols_n[None, :]
+        place = out_ptr + expert.to(tl.int64) * M * N + cols_m.to(tl.int64)[:, None] * N + cols_n[None, :]
         tile = (cols_m[:, None] < M) & (cols_n[None, :] < N)
         if ATOMIC_ADD:
             # One program per element, so the add is the read-modify-write's exact sum; done in L2,
@@ -107,15 +109,32 @@ def _tma_descriptor(rows: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(rows, block)
 
 
+def _check_tiles(tiles: WgradTiles) -> None:
+    def power_of_two(value):
+        return value > 0 and value & (value - 1) == 0
+    if not (all(power_of_two(v) for v in tiles[:4]) and 16 <= min(tiles.block_m, tiles.block_n, tiles.block_rows)
+            and max(tiles.block_m, tiles.block_n, tiles.block_rows) <= 256 and tiles.stages >= 1):
+        raise ValueError(f"accumulate_grouped_wgrad: tiles must be powers of two from 16 to 256 (a TMA box holds at "
+                         f"most 256 per side; a dot needs 16) and at least one stage, got {tiles}")
+
+
 def accumulate_grouped_wgrad(left: torch.Tensor, right: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
                              tiles: WgradTiles = DEFAULT_TILES) -> None:
     """out[e] += left[rows of e]^T @ right[rows of e], in place (module docstring)."""
+    _check_tiles(tiles)
     if left.dim() != 2 or right.dim() != 2 or left.shape[0] != right.shape[0]:
         raise ValueError(f"accumulate_grouped_wgrad: left and right must be [rows, M] and [rows, N] with the same "
                          f"rows, got {tuple(left.shape)} and {tuple(right.shape)}")
-    if ends.dim() != 1 or ends.dtype != torch.int32:
-        raise ValueError(f"accumulate_grouped_wgrad: ends must be the int32 end offsets [L], got {ends.dtype} "
-                         f"{tuple(ends.shape)}")
+    if left.dtype != right.dtype or left.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"accumulate_grouped_wgrad: left and right must both be bf16 or both fp16 (fp32 rows "
+                         f"would be rounded to TF32 by the kernel's dot), got {left.dtype} and {right.dtype}; "
+                         f"use torch._grouped_mm for other dtypes")
+    if ends.dim() != 1 or ends.dtype != torch.int32 or not ends.is_contiguous():
+        raise ValueError(f"accumulate_grouped_wgrad: ends must be the contiguous int32 end offsets [L], got "
+                         f"{ends.dtype} {tuple(ends.shape)} with stride {ends.stride()}")
+    if not (left.device == right.device == ends.device == out.device):
+        raise ValueError(f"accumulate_grouped_wgrad: left, right, ends and out must be on one device, got "
+                         f"{left.device}, {right.device}, {ends.device} and {out.device}")
     experts, m, n = ends.shape[0], left.shape[1], right.shape[1]
     if tuple(out.shape) != (experts, m, n):
         raise ValueError(f"accumulate_grouped_wgrad: out must be [L, M, N] = [{experts}, {m}, {n}], got "
@@ -145,5 +164,6 @@ def accumulate_grouped_wgrad_reference(left: torch.Tensor, right: torch.Tensor, 
     start = 0
     for expert, end in enumerate(ends.tolist()):
         if end > start:
-            out[expert] += (left[start:end].float().t() @ right[start:end].float()).to(out.dtype)
+            # One rounding of old + sum, as the kernel's epilogue does.
+            out[expert] = (out[expert].float() + left[start:end].float().t() @ right[start:end].float()).to(out.dtype)
         start = end

@@ -46,6 +46,19 @@ def check_case(counts, m, n, out_dtype, tiles, tail, seed, misaligned=False) -> 
     print(f"ok counts={counts} m={m} n={n} {out_dtype} tiles={tuple(tiles)} tail={tail} misaligned={misaligned}")
 
 
+def check_paths() -> None:
+    """Which rows the kernel reads by TMA: 16-bit, 16-byte aligned start and row stride."""
+    from megatron_ext.kernels.grouped_wgrad import _tma_descriptor
+
+    box = [16, 16]
+    wide = torch.zeros(8, 104, dtype=torch.bfloat16)
+    assert _tma_descriptor(wide[:, :48], box) is not None, "aligned bf16 rows must be read by TMA"
+    assert _tma_descriptor(torch.zeros(8, 100, dtype=torch.bfloat16), box) is None, "a 200-byte row stride"
+    assert _tma_descriptor(wide[:, 1:49], box) is None, "a start off 16 bytes"
+    assert _tma_descriptor(torch.zeros(8, 48), box) is None, "fp32 rows"
+    print("ok paths")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
@@ -66,6 +79,9 @@ def main() -> int:
     check_case([40, 0, 17, 70], m=48, n=40, out_dtype=torch.bfloat16, tiles=small, tail=5, seed=6, misaligned=True)
     whole_steps = WgradTiles(block_m=32, block_n=32, block_rows=32)  # every count a multiple: no partial step
     check_case([64, 128, 32], m=32, n=48, out_dtype=torch.float32, tiles=whole_steps, tail=4, seed=7)
+    # one expert; an aligned start but rows of 100 x 2 bytes, off 16: masked loads
+    check_case([45], m=100, n=24, out_dtype=torch.float32, tiles=small, tail=2, seed=8)
+    check_paths()
     print("all grouped wgrad interpreter checks passed")
     return 0
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_ext.cuda_graphs.main_grads import flag_added, flagged_by, main_grads_set_aside
+from megatron_ext.kernels.grouped_wgrad import WgradTiles
 from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
 from megatron_ext.moe.expert_wgrad import expert_weight_grad, grouped_linear
 from megatron_ext.testing.ddp_main_grads import attach_main_grads, zero_main_grads
@@ -23,7 +24,7 @@ EXPERTS, HIDDEN, FFN, CAPACITY, VALID = 4, 8, 16, 24, 19  # bf16 rows: 16-byte s
 def test_kernel_equals_the_definition_under_interpreter():
     stdout = run_under_interpreter("_grouped_wgrad_interp.py")
     assert "all grouped wgrad interpreter checks passed" in stdout
-    assert stdout.count("ok counts=") == 8
+    assert stdout.count("ok counts=") == 9 and "ok paths" in stdout
 
 
 def _weights(seed=3):
@@ -256,18 +257,25 @@ def test_graph_runner_captures_again_when_main_grad_moved(monkeypatch):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(right=torch.zeros(7, 8)), "left and right must be \\[rows, M\\] and \\[rows, N\\] with the same rows"),
-    (dict(ends=torch.tensor([2, 8])), "ends must be the int32 end offsets \\[L\\], got torch.int64"),
+    (dict(right=torch.zeros(7, 8, dtype=torch.bfloat16)),
+     "left and right must be \\[rows, M\\] and \\[rows, N\\] with the same rows"),
+    (dict(right=torch.zeros(8, 8)), "must both be bf16 or both fp16 .*got torch.bfloat16 and torch.float32"),
+    (dict(left=torch.zeros(8, 4), right=torch.zeros(8, 8)), "fp32 rows would be rounded to TF32"),
+    (dict(ends=torch.tensor([2, 8])), "ends must be the contiguous int32 end offsets \\[L\\], got torch.int64"),
+    (dict(ends=torch.tensor([[2, 0], [8, 0]], dtype=torch.int32)[:, 0]), "contiguous int32 .*stride \\(2,\\)"),
+    (dict(tiles=WgradTiles(block_m=8)), "tiles must be powers of two from 16 to 256"),
+    (dict(tiles=WgradTiles(block_rows=512)), "tiles must be powers of two from 16 to 256"),
+    (dict(tiles=WgradTiles(block_n=96)), "tiles must be powers of two from 16 to 256"),
     (dict(out=torch.zeros(3, 4, 8)), "out must be \\[L, M, N\\] = \\[2, 4, 8\\], got \\(3, 4, 8\\)"),
     (dict(out=torch.zeros(2, 4, 8, dtype=torch.float16)), "out must be contiguous fp32 or bf16"),
     (dict(out=torch.zeros(2, 8, 4).transpose(1, 2)), "out must be contiguous fp32 or bf16 .*strided"),
-    (dict(left=torch.zeros(4, 8).t()), "unit column stride .*pass .contiguous\\(\\) rows"),
+    (dict(left=torch.zeros(4, 8, dtype=torch.bfloat16).t()), "unit column stride .*pass .contiguous\\(\\) rows"),
 ])
 def test_kernel_arguments_are_checked_before_any_launch(change, message):
     from megatron_ext.kernels.grouped_wgrad import accumulate_grouped_wgrad
 
-    arguments = dict(left=torch.zeros(8, 4), right=torch.zeros(8, 8), ends=torch.tensor([2, 8], dtype=torch.int32),
-                     out=torch.zeros(2, 4, 8))
+    arguments = dict(left=torch.zeros(8, 4, dtype=torch.bfloat16), right=torch.zeros(8, 8, dtype=torch.bfloat16),
+                     ends=torch.tensor([2, 8], dtype=torch.int32), out=torch.zeros(2, 4, 8))
     arguments.update(change)
     with pytest.raises(ValueError, match=message):
         accumulate_grouped_wgrad(**arguments)
