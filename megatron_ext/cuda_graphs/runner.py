@@ -54,6 +54,9 @@ def capture_blockers(layer, hidden: torch.Tensor) -> list[str]:
         reasons.append("only the rowwise MoE layer is synchronization-free; Megatron's dispatchers wait on the host")
     elif ext.debug_checks:
         reasons.append("debug_checks reads device values on the host (a sync) inside the layer")
+    if getattr(getattr(layer, "router", None), "router_replay", None) is not None:
+        reasons.append("Megatron's router replay (--moe-enable-routing-replay) feeds the top-k from host-side "
+                       "lists that change every step; a graph would replay the capture step's routes")
     if _aux_loss_all_reduce(getattr(layer, "router", None)):
         reasons.append("the router's load-balancing loss all-reduces its counts over TP x CP (NCCL; TP x DP x CP for "
                        "the global aux loss) inside the "
@@ -104,8 +107,7 @@ def metrics_untouched(layer):
 
     tracker = get_moe_metrics_tracker()
     saved = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
-    own = getattr(layer, "_metrics", None)
-    saved_own = None if own is None else own.clone()
+    saved_own = {name: counter.clone() for name, counter in _layer_counters(layer).items()}
     try:
         yield
     finally:
@@ -114,11 +116,20 @@ def metrics_untouched(layer):
                 entry.values.copy_(saved[name])
             else:
                 entry.values.zero_()
-        own = getattr(layer, "_metrics", None)
-        if own is not None and saved_own is not None:
-            own.copy_(saved_own)
-        elif own is not None:
-            own.zero_()
+        for name, counter in _layer_counters(layer).items():
+            if name in saved_own:
+                counter.copy_(saved_own[name])
+            else:
+                counter.zero_()
+
+
+def _layer_counters(layer) -> dict[str, torch.Tensor]:
+    """The layer's own device counters a step adds to: its routing metrics and, under
+    on_overflow='error', the overflow guard's (whose next check would count warm-up forwards)."""
+    guard = getattr(layer, "_overflow", None)
+    counters = {"metrics": getattr(layer, "_metrics", None), "overflow_sums": getattr(guard, "sums", None),
+                "overflow_peak_demand": getattr(guard, "peak_demand", None)}
+    return {name: counter for name, counter in counters.items() if counter is not None}
 
 
 class _Slot:
@@ -240,15 +251,25 @@ class GraphedMoELayer:
         return self.forward_fn(hidden)
 
     def _capture_agreed(self, hidden: torch.Tensor) -> str | None:
-        """Warm up and capture; at EP > 1 every rank learns whether all captured (init time: a sync)."""
-        with arena_slots.arena_untouched(arena_slots.arena_of(self.layer)):
-            self._warm_up(hidden)
-            reason = transport_blocker(self.layer)
-            if reason is None:
-                try:
+        """Warm up and capture; at EP > 1 every rank learns whether all captured (init time: a sync).
+        Any error in warm-up or capture becomes this rank's reason, so its peers are told too
+        instead of waiting in the all-reduce."""
+        pool = self._lease_pool()
+        try:
+            if pool is not None and pool.live:
+                raise CaptureFailed(f"{pool.live} dispatch-buffer slot(s) hold live microbatches at capture time; "
+                                    f"capture needs the layer idle")
+            with arena_slots.arena_untouched(arena_slots.arena_of(self.layer)):
+                self._warm_up(hidden)
+                reason = transport_blocker(self.layer)
+                if reason is None:
                     self._capture(hidden)
-                except CaptureFailed as error:
-                    reason = f"capture failed: {error}"
+        except CaptureFailed as error:
+            reason = f"capture failed: {error}"
+        except Exception as error:  # noqa: BLE001 (e.g. out of memory): reported and agreed on, not raised
+            reason = f"warm-up or capture failed: {type(error).__name__}: {error}"
+            if pool is not None:
+                pool.release_all()  # a warm-up forward whose backward never ran (the layer was idle before)
         group = ep_group_of(self.layer)
         if group is not None:
             captured = torch.tensor([0 if reason else 1], dtype=torch.int32, device=hidden.device)
@@ -262,18 +283,26 @@ class GraphedMoELayer:
     def _acquire(self, hidden: torch.Tensor) -> _Slot:
         if hidden.shape != self.slots[0].input.shape or hidden.dtype != self.slots[0].input.dtype:
             raise ValueError(f"graphed MoE layer was captured for input {tuple(self.slots[0].input.shape)} "
-                             f"{self.slots[0].input.dtype}, got {tuple(hidden.shape)} {hidden.dtype}; "
-                             f"microbatch shapes must stay static")
+                             f"{self.slots[0].input.dtype}, got {tuple(hidden.shape)} {hidden.dtype}; microbatch "
+                             f"shapes must stay static (fixed --seq-length and --micro-batch-size, no variable-length "
+                             f"batches), or turn off --moe-ext-cuda-graphs")
         pool = self._lease_pool()
         for index, slot in enumerate(self.slots):
             if not slot.busy:
-                slot.busy = True
-                if pool is not None:  # the dispatch-buffer slot this graph writes
-                    slot.lease = pool.acquire(slot=index)
-                arena_slots.acquire(arena_slots.arena_of(self.layer), index)
+                # Lease and arena slot first, the slot marked busy last: a refusal leaves nothing taken.
+                lease = None if pool is None else pool.acquire(slot=index)  # the buffer this graph writes
+                try:
+                    arena_slots.acquire(arena_slots.arena_of(self.layer), index)
+                except BaseException:
+                    if lease is not None:
+                        lease.release()
+                    raise
+                slot.lease, slot.busy = lease, True
                 return slot
-        raise RuntimeError(f"all {self.num_slots} CUDA-graph slot(s) of this MoE layer hold live microbatches; "
-                           f"size the slots from the pipeline schedule (megatron_ext.cuda_graphs.live_microbatches)")
+        raise RuntimeError(f"all {self.num_slots} CUDA-graph slot(s) of this MoE layer hold live microbatches (a "
+                           f"forward ran again before the previous backward); raise --moe-ext-lease-slots "
+                           f"(MoEExtConfig.lease_slots, the number of graph slots) to the live microbatches of the "
+                           f"pipeline schedule (megatron_ext.cuda_graphs.live_microbatches)")
 
     def _release(self, slot: _Slot) -> None:
         slot.busy = False
@@ -300,10 +329,6 @@ class GraphedMoELayer:
 
     def _capture(self, sample: torch.Tensor) -> None:
         leases = self._lease_pool()
-        free_before = None if leases is None else leases.live
-        if free_before:
-            raise CaptureFailed(f"{free_before} dispatch-buffer slot(s) hold live microbatches at capture time; "
-                                f"capture needs the layer idle")
         slots = [_Slot(index, sample.detach().clone().requires_grad_(True)) for index in range(self.num_slots)]
         arena = arena_slots.arena_of(self.layer)
         try:  # one memory pool per graph (module docstring)
@@ -317,7 +342,7 @@ class GraphedMoELayer:
                     s.backward_graph, lambda: torch.autograd.grad(
                         s.output, (s.input, *self.params), s.grad_output, allow_unused=True),
                     torch.cuda.graph_pool_handle()))
-        except CaptureFailed:
+        except BaseException:  # leave nothing half-captured, whatever stopped the capture
             for slot in slots:
                 slot.forward_graph.reset()
                 slot.backward_graph.reset()
@@ -348,7 +373,8 @@ class GraphedMoELayer:
         """Drop the graphs (and their memory pools); the next training forward captures again."""
         if self.slots is not None:
             if any(slot.busy for slot in self.slots):
-                raise RuntimeError("cannot drop the MoE layer's CUDA graphs while a microbatch is live in them")
+                raise RuntimeError("cannot drop the MoE layer's CUDA graphs while a microbatch is live in them: run "
+                                   "the backward of every forward first (drop the graphs between iterations)")
             for slot in self.slots:
                 slot.forward_graph.reset()
                 slot.backward_graph.reset()
@@ -358,9 +384,11 @@ class GraphedMoELayer:
 
 
 def release_cuda_graphs(model) -> int:
-    """Drop every rowwise MoE layer's CUDA graphs in `model` (e.g. before tearing down); returns how many."""
+    """Drop every rowwise MoE layer's CUDA graphs in `model`, a module or Megatron's list of model
+    chunks (e.g. before tearing down, or after DDP re-created its gradient buffers); returns how many."""
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     released = 0
-    for module in model.modules():
+    for module in (m for chunk in chunks for m in chunk.modules()):
         runner = getattr(module, "_graph_runner", None)
         if isinstance(runner, GraphedMoELayer) and runner.slots is not None:
             runner.reset()

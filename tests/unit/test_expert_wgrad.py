@@ -183,7 +183,7 @@ def test_graph_runner_helpers_keep_main_grad_and_learn_the_flags():
     assert fc1.main_grad is originals[0] and fc2.main_grad is originals[1]
     assert torch.equal(fc1.main_grad, torch.zeros_like(fc1.main_grad)), "a warm-up step reached main_grad"
     zero_main_grads([fc1, fc2, router])
-    fc1.grad_added_to_main_grad = True  # stale from an earlier step: flagged_by must not count it
+    router.grad_added_to_main_grad = True  # stale from an earlier step: flagged_by must not count it
 
     def backward():
         return torch.autograd.grad(swiglu_grouped_mlp(x, fc1, fc2, offsets, probs, wgrad_fusion=True),

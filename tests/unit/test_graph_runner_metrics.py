@@ -37,3 +37,21 @@ def test_layer_metrics_first_made_by_the_warm_up_start_at_zero():
     with metrics_untouched(layer):
         layer._metrics = torch.tensor([3, 9], dtype=torch.int64)
     assert torch.equal(layer._metrics, torch.zeros(2, dtype=torch.int64))
+
+
+def test_warm_up_forwards_do_not_count_in_the_overflow_check():
+    """Under on_overflow='error' the layer's OverflowGuard sums every forward's route metrics; the
+    warm-up's must not reach the next check's counts (nor a guard it first fills)."""
+    from megatron_ext.moe.overflow import OverflowGuard
+
+    layer = _Layer()
+    layer._overflow = OverflowGuard()
+    with metrics_untouched(layer):  # the guard's first record happens in the warm-up
+        layer._overflow.sums, layer._overflow.peak_demand = torch.tensor([5, 2]), torch.tensor([9, 4])
+    assert layer._overflow.sums.tolist() == [0, 0] and layer._overflow.peak_demand.tolist() == [0, 0]
+    layer._overflow.sums += torch.tensor([1, 1])  # a training forward
+    layer._overflow.peak_demand.copy_(torch.tensor([3, 3]))
+    with metrics_untouched(layer):
+        layer._overflow.sums += 10
+        torch.maximum(layer._overflow.peak_demand, torch.tensor([8, 1]), out=layer._overflow.peak_demand)
+    assert layer._overflow.sums.tolist() == [1, 1] and layer._overflow.peak_demand.tolist() == [3, 3]

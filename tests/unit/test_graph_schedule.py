@@ -24,8 +24,49 @@ def test_live_microbatches(pp, rank, mbs, vpp, expected):
 def test_live_microbatches_rejects_bad_input():
     with pytest.raises(ValueError, match="outside a pipeline"):
         live_microbatches(2, 2, 4)
-    with pytest.raises(ValueError, match="divisible by the pipeline size"):
+    with pytest.raises(ValueError, match=r"size \(4\) between the pipeline size \(4\) and the microbatches \(3\)"):
+        live_microbatches(4, 0, 3, vpp_size=2)
+    with pytest.raises(ValueError, match="num_microbatches \\(6\\) modulo the microbatch group size \\(4\\)"):
         live_microbatches(4, 0, 6, vpp_size=2)
+
+
+def _peak_live_on_a_layer(pp, rank, microbatches, vpp, group, overlap) -> int:
+    """Brute force: walk megatron-core's own interleaved (or 1F1B) order for one stage, forwards of
+    virtual microbatch k + warm-up before backwards of k, and count the microbatches live in each chunk."""
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    chunks = vpp or 1
+    table = get_schedule_table(microbatches, chunks, group or pp) if vpp else [(m, 0) for m in range(microbatches)]
+    total = len(table)
+    warmup = pp - rank - 1 if not vpp else (pp - rank - 1) * 2 + (chunks - 1) * (group or pp) + int(overlap)
+    warmup = min(warmup, total)
+    live, peak = [0] * chunks, 0
+    order = [("F", k) for k in range(warmup)]
+    order += [step for k in range(total - warmup) for step in (("F", k + warmup), ("B", k))]
+    order += [("B", k) for k in range(total - warmup, total)]
+    for kind, k in order:
+        chunk = table[k][1]
+        if kind == "F":
+            live[chunk] += 1
+            peak = max(peak, live[chunk])
+        else:
+            live[chunks - 1 - chunk] -= 1  # backwards visit the chunks in reverse
+    assert live == [0] * chunks
+    return peak
+
+
+@pytest.mark.parametrize("pp,microbatches,vpp,group,overlap", [
+    (4, 8, None, None, False), (2, 8, 2, None, False), (2, 8, 2, 4, False), (2, 8, 2, 4, True),
+    (4, 8, 2, None, False), (2, 5, 2, 3, False), (4, 16, 4, 8, True), (3, 9, 3, None, False),
+])
+def test_live_microbatches_bounds_megatrons_schedule(pp, microbatches, vpp, group, overlap):
+    """The slot count covers every stage's peak in megatron-core's schedule, and is that peak where
+    one chunk's warm-up alone reaches it (pp 2, group 4: the reviewer's 7 and 8)."""
+    for rank in range(pp):
+        peak = _peak_live_on_a_layer(pp, rank, microbatches, vpp, group, overlap)
+        assert live_microbatches(pp, rank, microbatches, vpp, group, overlap) >= peak, (rank, peak)
+    if (pp, microbatches, vpp, group) == (2, 8, 2, 4):
+        assert live_microbatches(2, 0, 8, 2, 4, overlap) == _peak_live_on_a_layer(2, 0, 8, 2, 4, overlap) == 7 + overlap
 
 
 class _EagerLayer(torch.nn.Module):
