@@ -74,6 +74,9 @@ def parse_args():
     if args.megatron_baseline and args.capacity_factor is not None:
         parser.error("--capacity-factor sizes megatron_ext's dispatch buffers; --megatron-baseline runs Megatron's "
                      "dropless alltoall layer, which has none: drop one of them")
+    if args.dropless and args.capacity_factor is not None:
+        parser.error("--dropless sizes the dispatch buffers for the worst case, so --capacity-factor would do "
+                     "nothing: drop one of them")
     if args.capacity_factor is None:
         args.capacity_factor = 1.25
     if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
@@ -87,9 +90,10 @@ def main():
     apply_cpu_shims()
     log = print_step if args.log_format == "default" else functools.partial(print_step_megatron, args.steps, args.ranks)
     # The arena's regions are at most its budget: below a factor of 1 each layer's region is the budget.
+    region = min(1.0, args.capacity_factor) if args.dropless_arena else 1.0
     ext = None if args.megatron_baseline else MoEExtConfig(
         transport="torch", capacity_factor=args.capacity_factor, dropless=args.dropless,
-        dropless_arena=args.dropless_arena, arena_region_factor=min(1.0, args.capacity_factor))
+        dropless_arena=args.dropless_arena, arena_region_factor=region)
     sizing = "dropless" if args.dropless else f"cf {args.capacity_factor}"
     sizing += ", dropless arena" if args.dropless_arena else ""
     what = "Megatron alltoall MoELayer" if ext is None else f"megatron_ext RowwiseMoELayer (torch transport, {sizing})"

@@ -23,6 +23,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from megatron_ext.cuda_graphs.schedule import live_microbatches
 from megatron_ext.config import DISPATCHERS, OVERFLOW_POLICIES, RETURN_TRANSFERS, ROUTER_GEMMS, TRANSPORTS, MoEExtConfig
 from megatron_ext.rules import (ExpertSettings, arena_args_problems, expert_problems, graph_runner_clash, moe_problems,
                                 rowwise_problems)
@@ -215,17 +216,16 @@ def _name_flags(message: str) -> str:
     """Rewrite MoEExtConfig field names in an error message as the flags that set them
     ("dispatcher='rowwise'" -> "--moe-ext-dispatcher rowwise", "dropless=True" -> "--moe-ext-dropless")."""
     for flag in FLAGS:
-        if flag.kind == "off":
-            continue
-
         def spell(match, flag=flag):
             value = match.group(1)
-            if value is None or flag.kind == "on":
+            if value is None or flag.kind != "value":  # "on" flags set True, "off" flags (--moe-ext-no-*) False
                 return flag.flag
             quotes = "'\""
             return f"{flag.flag} {value.strip(quotes)}"
 
-        message = re.sub(rf"\b{flag.field}\b(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+))?", spell, message)
+        # A bare name only where it cannot be prose ("dropless_arena", not "the dropless arena").
+        bare = "?" if "_" in flag.field else ""
+        message = re.sub(rf"\b{flag.field}\b(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+)){bare}", spell, message)
     return message
 
 
@@ -236,6 +236,41 @@ def _rowwise_conflicts(args) -> list[str]:
     problems = rowwise_problems(args) + graph_runner_clash(args, args)
     return [f"--moe-ext-dispatcher rowwise cannot be combined with {problem}; or use --moe-ext-dispatcher megatron"
             for problem in problems]
+
+
+def _schedule_conflicts(args) -> list[str]:
+    """A pipeline keeps several microbatches of a layer alive (megatron_ext.cuda_graphs.live_microbatches):
+    the symm transport's dispatch slots, the arena's and the graph slots must cover them, or the first
+    stage stops at its second forward while the others wait."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    uses_slots = args.moe_ext_transport in ("auto", "symm") or args.moe_ext_cuda_graphs or \
+        args.moe_ext_dropless_arena
+    if pp == 1 or not uses_slots:
+        return []
+    model_parallel = pp * (getattr(args, "tensor_model_parallel_size", 1) or 1) * \
+        (getattr(args, "context_parallel_size", 1) or 1)
+    data_parallel = max((getattr(args, "world_size", None) or model_parallel) // model_parallel, 1)
+    micro = getattr(args, "micro_batch_size", None) or 1
+    per_step = getattr(args, "global_batch_size", None) or micro * data_parallel
+    microbatches = max(per_step // (micro * data_parallel), 1)
+    # Before Megatron's validate_args (which derives virtual_pipeline_model_parallel_size) the two
+    # flags that set it are read directly.
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or \
+        getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if vpp is None and per_stage and getattr(args, "num_layers", None):
+        vpp = args.num_layers // pp // per_stage
+    try:
+        needed = live_microbatches(pp, 0, microbatches, vpp, getattr(args, "microbatch_group_size_per_vp_stage", None),
+                                   bool(getattr(args, "overlap_moe_expert_parallel_comm", False)))
+    except ValueError:
+        return []  # a schedule Megatron's own checks refuse, with their message
+    if args.moe_ext_lease_slots >= needed:
+        return []
+    return [f"--pipeline-model-parallel-size {pp} with {microbatches} microbatches per step keeps up to {needed} "
+            f"microbatches alive in each MoE layer of the first stage, and --moe-ext-lease-slots "
+            f"{args.moe_ext_lease_slots} gives each layer that many dispatch-buffer (and graph) slots: set "
+            f"--moe-ext-lease-slots {needed}"]
 
 
 def _ext_flag_conflicts(args) -> list[str]:
@@ -260,6 +295,11 @@ def _expert_conflicts(args) -> list[str]:
                      for problem in expert_problems(settings)]
     if getattr(args, "moe_ext_dropless_arena", False):
         problems += arena_args_problems(args)
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant is not None and getattr(args, "spec", None) is None:
+        problems.append(f"--experimental-attention-variant {variant} with --num-experts: megatron_ext's layer specs "
+                        f"build Megatron's standard attention, and Megatron builds this variant from its own spec; "
+                        f"drop the variant, or run Megatron without megatron_ext")
     if getattr(args, "transformer_impl", None) == "transformer_engine" and getattr(args, "spec", None) is None \
             and importlib.util.find_spec("transformer_engine") is None:
         problems.append("--transformer-impl transformer_engine (Megatron's default) without Transformer Engine "
@@ -286,7 +326,7 @@ def validate_against_megatron(args) -> None:
     if getattr(args, "num_experts", None) is not None:
         problems += _expert_conflicts(args)
         if args.moe_ext_dispatcher == "rowwise":
-            problems += _rowwise_conflicts(args)
+            problems += _rowwise_conflicts(args) + _schedule_conflicts(args)
     if problems:
         raise MoEExtArgumentError("megatron_ext cannot run with these flags:\n  - " + "\n  - ".join(problems))
 

@@ -160,6 +160,8 @@ class MoEExtConfig:
             raise ValueError(f"replica_check_interval must be >= 0, got {self.replica_check_interval}")
         if self.lease_slots < 1:
             raise ValueError(f"lease_slots must be >= 1, got {self.lease_slots}")
+        if self.dispatcher == "rowwise":
+            self._check_unused()
         if self.dispatcher == "megatron":
             if self.mxfp8_dispatch:
                 raise ValueError("mxfp8_dispatch needs dispatcher='rowwise' (the payload is quantized inside "
@@ -195,6 +197,20 @@ class MoEExtConfig:
         if self.on_overflow == "auto":
             return "error" if self.dropless_arena else "drop"
         return self.on_overflow
+
+    def _check_unused(self) -> None:
+        """A rowwise setting another setting makes do nothing: refused, not ignored."""
+        changed = self.changed_fields()
+        for name, unused, why in (
+                ("capacity_factor", self.dropless, "dropless=True sizes every buffer for the worst case"),
+                ("arena_region_factor", not self.dropless_arena, "it sizes the regions of the dropless arena "
+                                                                 "(dropless_arena=True)"),
+                ("router_gemms", not (self.fused_router and self.fused_route_map),
+                 "it places the fused router's GEMMs, and fused_router=False or fused_route_map=False turns that "
+                 "router off (it hands its selection to the fused route map)"),
+                ("peer_timeout_s", self.transport == "deepep", "DeepEP's waits are bounded by its own timeouts")):
+            if name in changed and unused:
+                raise ValueError(f"{name}={getattr(self, name)!r} does nothing here: {why}; leave it at its default")
 
     def _check_graphs(self) -> None:
         if self.debug_checks:

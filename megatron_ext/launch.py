@@ -32,7 +32,7 @@ import re
 import runpy
 import sys
 
-from megatron_ext.arguments import (MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
+from megatron_ext.arguments import (FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
                                     validate_against_megatron)
 from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
@@ -163,7 +163,7 @@ def _refuse_moe_settings_without_experts(ext_config) -> None:
     """A dense model (no --num-experts) with MoE settings changed: refused, not ignored."""
     changed = [name for name in ext_config.changed_fields() if name not in DENSE_FIELDS]
     if changed:
-        flags = ", ".join("--moe-ext-" + name.replace("_", "-") for name in changed)
+        flags = ", ".join(FLAG_OF_FIELD[name] for name in changed)
         raise MoEExtArgumentError(f"{flags} configure MoE layers, and this model has none (--num-experts is not "
                                   f"set): set --num-experts for a MoE model, or drop them")
 

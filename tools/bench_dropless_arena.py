@@ -87,8 +87,8 @@ def build_stack(path: Path, args, world: int):
         ext = MoEExtConfig(transport="symm", dropless_arena=True, capacity_factor=args.arena_capacity_factor,
                            arena_region_factor=region, cuda_graphs=runner)
     elif path.base != "megatron_gg":
-        ext = MoEExtConfig(transport="symm", capacity_factor=args.capacity_factor, dropless=path.base == "dropless",
-                           cuda_graphs=runner)
+        sizing = dict(dropless=True) if path.base == "dropless" else dict(capacity_factor=args.capacity_factor)
+        ext = MoEExtConfig(transport="symm", **sizing, cuda_graphs=runner)
     layers = torch.nn.ModuleList()
     for index in range(args.layers):
         config = moe_config(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk, ep=world,

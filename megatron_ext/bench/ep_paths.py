@@ -105,9 +105,9 @@ def build_layer(path: str, shape: Shape, args, device: torch.device, dtype):
     elif path in ("megatron_alltoall_gg", "megatron_flex_deepep_gg"):
         layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
     else:
-        ext = MoEExtConfig(transport="torch" if path == "rowwise_torch" else "symm",
-                           capacity_factor=args.capacity_factor,
-                           dropless=args.dropless or path == "rowwise_symm_dropless",
+        dropless = args.dropless or path == "rowwise_symm_dropless"  # worst-case buffers: no factor
+        sizing = dict(dropless=True) if dropless else dict(capacity_factor=args.capacity_factor)
+        ext = MoEExtConfig(transport="torch" if path == "rowwise_torch" else "symm", **sizing,
                            on_overflow="error" if path == "rowwise_symm_bounded" else "drop",
                            mxfp8_dispatch=path == "rowwise_symm_mxfp8", cuda_graphs=path == "rowwise_symm_graph",
                            return_transfer="put" if path == "rowwise_symm_put" else "get")

@@ -35,9 +35,9 @@ def test_defaults_round_trip(megatron_parser):
 
 @pytest.mark.parametrize("config", [
     MoEExtConfig(dispatcher="megatron", ddp_buckets=True, debug_checks=True, replica_check_interval=3),
-    MoEExtConfig(capacity_factor=2.0, dropless=True, max_tokens_per_rank=4096, metrics_interval=10,
-                 debug_poison=True, lease_slots=3, fused_route_map=False, fused_router=False, peer_timeout_s=9.5,
-                 router_gemms="cublas"),
+    MoEExtConfig(dropless=True, max_tokens_per_rank=4096, metrics_interval=10,
+                 debug_poison=True, lease_slots=3, fused_route_map=False, fused_router=False, peer_timeout_s=9.5),
+    MoEExtConfig(capacity_factor=2.0, router_gemms="cublas"),
     MoEExtConfig(dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.75, on_overflow="drop"),
     MoEExtConfig(transport="symm", mxfp8_dispatch=True, cuda_graphs=True, capacity_factor=1.0),
     MoEExtConfig(transport="torch", replica_check_interval=5),
@@ -56,9 +56,11 @@ def test_every_field_is_reachable_from_its_flag(megatron_parser):
                  "capacity_factor": "3.5", "on_overflow": "error", "return_transfer": "put",
                  "router_gemms": "cublas"}.get(flag.field, "7")
         argv = [flag.flag] if flag.kind != "value" else [flag.flag, value]
-        config = ext_config_from_args(megatron_parser.parse_args(argv))
+        needs = {"arena_region_factor": ["--moe-ext-dropless-arena", "--moe-ext-capacity-factor", "7"]}
+        config = ext_config_from_args(megatron_parser.parse_args(argv + needs.get(flag.field, [])))
         differs = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]
-        assert differs == [flag.field], (flag.flag, differs)
+        companions = {"arena_region_factor": ["capacity_factor", "dropless_arena"]}.get(flag.field, [])
+        assert sorted(differs) == sorted([flag.field] + companions), (flag.flag, differs)
 
 
 def test_group_is_added_once(megatron_parser):
@@ -140,6 +142,13 @@ def _parse(parser, argv):
      ["--transformer-impl local", "--no-persist-layer-norm"]),
     (["--num-experts", "8", "--swiglu", "--disable-bias-linear"],  # Megatron's default impl, no TE here
      ["--transformer-impl transformer_engine", "--transformer-impl local"]),
+    (MOE_MODEL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--micro-batch-size", "1"],
+     ["--pipeline-model-parallel-size 2 with 8 microbatches", "up to 2 microbatches", "--moe-ext-lease-slots 2"]),
+    (MOE_MODEL + ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank",
+                  "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--moe-ext-lease-slots", "2"],
+     ["keeps up to 5 microbatches", "--moe-ext-lease-slots 5"]),
+    (MOE_MODEL + ["--experimental-attention-variant", "gated_delta_net"],
+     ["--experimental-attention-variant gated_delta_net", "drop the variant"]),
 ])
 def test_wrong_combinations_name_both_flags(megatron_parser, argv, flags):
     with pytest.raises(MoEExtArgumentError) as error:
@@ -185,6 +194,9 @@ def test_bad_single_values_name_their_flag(megatron_parser, argv, flag):
     MOE_MODEL + ["--moe-apply-probs-on-input", "--moe-router-topk", "1", "--moe-router-pre-softmax"],
     # What the grouped experts cannot serve falls back to Megatron's experts under its dispatcher.
     MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--moe-mlp-glu-interleave-size", "8"],
+    # A pipeline with enough slots, or a transport whose buffers autograd owns.
+    MOE_MODEL + ["--pipeline-model-parallel-size", "4", "--global-batch-size", "8", "--moe-ext-lease-slots", "4"],
+    MOE_MODEL + ["--pipeline-model-parallel-size", "4", "--global-batch-size", "8", "--moe-ext-transport", "torch"],
 ])
 def test_valid_combinations_pass(megatron_parser, argv):
     validate_against_megatron(_parse(megatron_parser, argv))
@@ -197,3 +209,13 @@ def test_symm_transport_without_gpus_is_left_to_runtime(megatron_parser):
 def test_missing_group_is_a_clear_error():
     with pytest.raises(MoEExtArgumentError, match="add_moe_ext_args"):
         ext_config_from_args(argparse.Namespace(num_experts=8))
+
+
+def test_off_flags_are_named_as_typed(megatron_parser):
+    """A setting another one turns off is refused, and the message spells the --moe-ext-no-* flag."""
+    args = _parse(megatron_parser, ["--moe-ext-no-fused-router", "--moe-ext-router-gemms", "cublas"])
+    with pytest.raises(MoEExtArgumentError) as error:
+        ext_config_from_args(args)
+    message = str(error.value)
+    assert "--moe-ext-router-gemms cublas does nothing here" in message and "--moe-ext-no-fused-router" in message
+    assert "fused_router" not in message.replace("--moe-ext-no-fused-router", ""), message

@@ -122,7 +122,7 @@ def test_overflow_policy_auto_is_error_with_the_arena_and_drop_otherwise():
     ("fused_router", False), ("peer_timeout_s", 5.0), ("metrics_interval", 10), ("debug_poison", True),
     ("arena_region_factor", 0.5), ("router_gemms", "cublas")])
 def test_rowwise_settings_are_refused_not_ignored_under_megatrons_dispatcher(field, value):
-    MoEExtConfig(**{field: value})  # the rowwise dispatcher takes it
+    MoEExtConfig(**{field: value}, **({"dropless_arena": True} if field == "arena_region_factor" else {}))  # rowwise
     with pytest.raises(ValueError, match=rf"{field} only apply to dispatcher='rowwise'"):
         MoEExtConfig(dispatcher="megatron", **{field: value})
 
@@ -131,3 +131,15 @@ def test_rowwise_settings_are_refused_not_ignored_under_megatrons_dispatcher(fie
 def test_arena_region_factor_is_checked_without_the_arena_too(value):
     with pytest.raises(ValueError, match="arena_region_factor must be > 0 and finite"):
         MoEExtConfig(arena_region_factor=value)
+
+
+@pytest.mark.parametrize("settings,field", [
+    (dict(dropless=True, capacity_factor=2.0), "capacity_factor"),
+    (dict(arena_region_factor=0.5), "arena_region_factor"),
+    (dict(fused_router=False, router_gemms="cublas"), "router_gemms"),
+    (dict(fused_route_map=False, router_gemms="cublas"), "router_gemms"),
+    (dict(transport="deepep", peer_timeout_s=5.0), "peer_timeout_s")])
+def test_a_rowwise_setting_another_one_disables_is_refused(settings, field):
+    with pytest.raises(ValueError, match=rf"{field}=.* does nothing here: .*leave it at its default"):
+        MoEExtConfig(**settings)
+    MoEExtConfig(**{k: v for k, v in settings.items() if k != field})  # the rest alone is fine
