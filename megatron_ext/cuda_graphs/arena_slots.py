@@ -65,12 +65,15 @@ def acquire(arena_layer, index: int) -> None:
     if arena_layer.index == 0:
         if slot.busy:
             raise RuntimeError(f"arena slot {index} holds a live microbatch, but graph slot {index} of the first MoE "
-                               f"layer is free: the arena and the layer's graphs went out of step")
+                               f"layer is free: the arena and the layer's graphs went out of step (an eager forward "
+                               f"of the arena's layers whose backward has not run, e.g. evaluation with gradients "
+                               f"on: run it under torch.no_grad(), or finish its backward before the next step)")
         slot.busy, arena.current = True, slot
     elif arena.current is not slot or not slot.busy:
         raise RuntimeError(f"graph slot {index} of MoE layer {arena_layer.index} replays while another arena slot is "
                            f"current: the layers' graph slots went out of step (every layer must run every "
-                           f"microbatch, in model order)")
+                           f"microbatch, in model order: a model that skips or reorders MoE layers cannot share "
+                           f"one arena under --moe-ext-cuda-graphs)")
 
 
 def release(arena_layer, index: int) -> None:

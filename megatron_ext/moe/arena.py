@@ -229,10 +229,18 @@ class ArenaLayer:
     def capacity(self) -> int:
         return self.layout.view_rows(self.index)
 
-    def begin_forward(self) -> "ArenaCursor":
-        """This forward's place in the cursor (no device work); layer 0 opens a slot first."""
+    def begin_forward(self, dispatch_has_backward: bool) -> "ArenaCursor":
+        """This forward's place in the cursor (no device work); layer 0 opens a slot first.
+        `dispatch_has_backward`: the dispatched tokens or their router probabilities need gradients
+        (layer 0's dispatch backward, which frees the slot, will run)."""
         arena = self.arena
         if self.index == 0:
+            if torch.is_grad_enabled() and not dispatch_has_backward:
+                raise RuntimeError(
+                    "the dropless arena frees a microbatch's rows in the backward of the first MoE layer's "
+                    "dispatch, and autograd skips it here: neither that layer's input nor its router needs "
+                    "gradients (frozen below the first MoE layer). Unfreeze the first MoE layer's router, run "
+                    "this forward under torch.no_grad(), or turn off --moe-ext-dropless-arena")
             arena.open()
         slot, layout = arena.current, self.layout
         if slot is None or not slot.busy:

@@ -110,7 +110,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         group = self.ep_group if self.ep_size > 1 else None
         gather_counts = getattr(self.transport, "gather_counts", None)
         # With the arena the plan's capacities come from the microbatch's cursor, which the plan moves.
-        cursor = self.arena_layer.begin_forward() if self.arena_layer is not None else None
+        cursor = None if self.arena_layer is None else \
+            self.arena_layer.begin_forward(dispatch_has_backward=hidden.requires_grad or probs.requires_grad)
         if self.selection is not None:  # the fused kernel reads and moves the cursor in its launch
             self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
                                                 need_row_source=getattr(self.transport, "reads_row_source", True),

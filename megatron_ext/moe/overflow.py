@@ -56,11 +56,16 @@ class OverflowGuard:
         if overflowed == 0:
             return
         needed = peak / max(rows_at_cf_1, 1)
-        policy = "the dropless arena's overflow policy (error)" if arena else "on_overflow='error'"
-        instead = "" if arena else "or use --moe-ext-dropless (worst-case buffers), "
+        if arena:  # a layer's rows are bounded by its region and what earlier layers left of the shared rest
+            policy, remedy = "the dropless arena's overflow policy (error)", (
+                f"Raise the budget or the regions as above (the largest load seen was {needed:.2f}x a layer's "
+                f"balanced rows; the capacity factor is now {capacity_factor}), or")
+        else:
+            policy, remedy = "on_overflow='error'", (
+                f"Raise --moe-ext-capacity-factor (now {capacity_factor}; the largest load seen needs >= "
+                f"{needed:.2f}), or use --moe-ext-dropless (worst-case buffers), or")
         raise CapacityExceeded(
             f"megatron_ext bounded dropless: {where} received more routes than its capacity of {capacity} rows per "
             f"rank: {overflowed} route(s) overflowed in the last {forwards} forward(s) (the busiest rank was asked "
-            f"for {peak} rows), and {policy} forbids dropping them. Raise --moe-ext-capacity-factor "
-            f"(now {capacity_factor}; the largest load seen needs >= {needed:.2f}), {instead}or "
+            f"for {peak} rows), and {policy} forbids dropping them. {remedy} "
             f"--moe-ext-on-overflow drop to drop and count them")

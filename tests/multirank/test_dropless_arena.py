@@ -128,8 +128,9 @@ def test_beyond_the_budget_routes_are_counted_and_raise(on_overflow):
     dropped = sum(sum(r["dropped"]) for r in results)
     assert dropped > 0
     errors = [r["error"] for r in results if r["error"] is not None]
-    assert errors and "overflowed" in errors[0] and "--moe-ext-capacity-factor (now 0.75" in errors[0]
-    assert "dropless arena: 3 layers share" in errors[0]
+    assert errors and "overflowed" in errors[0] and "the capacity factor is now 0.75" in errors[0]
+    assert "dropless arena: 3 layers share" in errors[0] and "--moe-ext-arena-region-factor" in errors[0]
+    assert "Raise the budget or the regions" in errors[0] and "needs >=" not in errors[0], errors[0]
     for result in results:
         assert result["layout"].rows == arena_layout(LAYERS, TOKENS, TOPK, 0.75, 0.5).rows
 
@@ -218,3 +219,37 @@ def test_experts_the_arena_cannot_hold_are_refused_at_construction():
         assert "dropless_arena: the experts cannot keep their rows in the arena" in messages[0]
         assert "fast path" in messages[0]
         assert "moe_apply_probs_on_input" in messages[1]
+
+
+def _frozen_first_router_rank(rank, world):
+    """Layer 0's router frozen and an input without gradients: its dispatch backward, which frees
+    the microbatch's arena slot, would never run. Refused at the forward; under no_grad it runs."""
+    x, g = rank_tokens(rank, TOKENS, HIDDEN)
+    layers = _stack(world, 0.0, dropless_arena=True, capacity_factor=1.5)
+    (arena,) = attach_arenas(layers)
+    for param in layers[0].router.parameters():
+        param.requires_grad_(False)
+    try:
+        layers[0](x.view(TOKENS, 1, HIDDEN))
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    with torch.no_grad():
+        stack_forward(layers, x.view(TOKENS, 1, HIDDEN))
+    return message, [slot.busy for slot in arena.slots]
+
+
+def test_a_first_layer_whose_dispatch_has_no_backward_is_refused():
+    for message, busy in run_on_ranks(_frozen_first_router_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert message is not None and "autograd skips it here" in message and "torch.no_grad()" in message, message
+        assert busy == [False], "the refused forward or the no_grad forward left the slot taken"
+
+
+def test_a_layer_before_the_last_is_held_to_its_view():
+    """A large budget with small regions (cf 3.0, regions 0.5): a skewed layer before the last may
+    run on past its region only as far as its view; the routes beyond are counted, never written past it."""
+    results = run_on_ranks(_arena_rank, 2, 0.5, 3.0, 0.5, "error", sizes=ParallelSizes(ep=2))
+    for result in results:
+        assert all(got <= view for got, view in zip(result["received"], result["capacities"])), result
+        assert result["dropped"][0] > 0 and result["error"] is not None, result
+    assert max(results[0]["received"][:-1]) == results[0]["capacities"][0]  # the case reaches the view

@@ -84,7 +84,7 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
         saved, pending = [], None
         for index, (layer, transport) in enumerate(zip(layers, transports)):
             top_idx, tokens, probs, _ = layer_inputs(world, step, mb, index, rank)
-            cursor = layer.begin_forward()
+            cursor = layer.begin_forward(dispatch_has_backward=True)
             rmap = route(top_idx, EXPERTS_PER_RANK * world, layer.capacity, gather_counts=transport.gather_counts,
                          ep_rank=rank, dest_capacity=cursor.capacities())
             cursor.advance(rmap.metrics.kept_per_expert)

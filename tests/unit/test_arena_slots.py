@@ -38,12 +38,12 @@ def test_a_later_layers_warm_up_and_capture_leave_the_live_microbatch_as_it_was(
     live.cursors[1].copy_(torch.tensor([5, 7]))  # layer 0 spilled
     live.starts[0] = 4
     with arena_slots.arena_untouched(later):
-        cursor = later.begin_forward()  # an eager warm-up step moves the cursor and its start
+        cursor = later.begin_forward(dispatch_has_backward=True)  # an eager warm-up step moves the cursor and its start
         cursor.advance(torch.tensor([20, 20, 0, 0], dtype=torch.int32))  # 40 rows to rank 0, 8 past P
         assert live.cursors[2].tolist() == [13, 7] and int(live.starts[1]) == arena.layout.shared - 13
         with arena_slots.capturing_slot(later, 1):  # graph slot 1 is captured against arena slot 1
             assert arena.current is arena.slots[1] and arena.slots[1].busy
-            later.begin_forward()
+            later.begin_forward(dispatch_has_backward=True)
         assert arena.current is arena.slots[0] and not arena.slots[1].busy
     assert arena.current is arena.slots[0] and arena.slots[0].busy and not arena.slots[1].busy
     assert live.cursors[1].tolist() == [5, 7] and live.cursors[2].tolist() == [0, 0]
@@ -55,7 +55,7 @@ def test_the_first_layer_captures_its_slots_in_order():
     with arena_slots.arena_untouched(first):
         for index in range(2):
             with arena_slots.capturing_slot(first, index):  # layer 0 opens the slots itself
-                first.begin_forward()
+                first.begin_forward(dispatch_has_backward=True)
                 assert arena.current is arena.slots[index]
     assert arena.current is None and not any(slot.busy for slot in arena.slots)
     assert arena_slots.arena_of(torch.nn.Linear(1, 1)) is None
