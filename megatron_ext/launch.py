@@ -180,8 +180,15 @@ def _resolve_spec(spec: list[str]) -> None:
     except ImportError as error:
         raise MoEExtArgumentError(f"--spec {' '.join(spec)}: cannot import {spec[0]} ({error}); megatron_ext's "
                                   f"spec is --spec {' '.join(EXT_SPEC)}") from None
-    if not callable(getattr(module, spec[1], None)):
+    builder = getattr(module, spec[1], None)
+    if not callable(builder):
         raise MoEExtArgumentError(f"--spec {' '.join(spec)}: {spec[0]} has no spec builder {spec[1]!r}")
+    if spec[0].split(".")[0] == "megatron_ext" and not isinstance(builder, type):
+        first = next(iter(inspect.signature(builder).parameters), None)
+        if first != "config":  # Megatron calls a --spec builder as builder(config[, vp_stage=...])
+            raise MoEExtArgumentError(f"--spec {' '.join(spec)}: Megatron calls a --spec builder with the model's "
+                                      f"config, and {spec[1]} takes {first!r} first; megatron_ext's spec is "
+                                      f"--spec {' '.join(EXT_SPEC)}")
 
 
 _printed: set[str] = set()

@@ -103,6 +103,13 @@ def test_a_missing_megatron_ext_spec_is_an_error_not_a_silent_fallback(hooked):
         parse_with(hooked, MOE_MODEL + ["--spec", "megatron_ext.specs", "no_such_builder"])
 
 
+@pytest.mark.parametrize("name,first", [("gpt_layer_spec", "num_experts"), ("moe_builder", "ext_config")])
+def test_a_megatron_ext_function_megatron_cannot_call_as_a_spec_is_refused(hooked, name, first):
+    with pytest.raises(MoEExtArgumentError, match=f"{name} takes '{first}' first; megatron_ext's spec is --spec "
+                                                  f"megatron_ext.specs gpt_block_spec"):
+        parse_with(hooked, MOE_MODEL + ["--spec", "megatron_ext.specs", name])
+
+
 def test_wrong_combination_fails_at_parse_time(hooked):
     with pytest.raises(MoEExtArgumentError, match="--moe-expert-capacity-factor"):
         parse_with(hooked, MOE_MODEL + ["--moe-expert-capacity-factor", "1.0"])
