@@ -127,6 +127,14 @@ def prepare_parsed_args(args) -> None:
 
     from megatron_ext import specs, training_hooks
 
+    kept_megatrons = _megatrons_moe_layers(args)
+    if kept_megatrons is not None:  # a MoE model whose MoE layers megatron_ext does not build
+        ext_config = ext_config_from_args(args)
+        _refuse_moe_settings_without_our_layers(ext_config, kept_megatrons)
+        specs.set_default_ext_config(ext_config)
+        training_hooks.install(ext_config)
+        _print_rank_0(f"megatron_ext: {kept_megatrons}; the MoE layers stay Megatron's")
+        return
     validate_against_megatron(args)
     ext_config = ext_config_from_args(args)
     if getattr(args, "num_experts", None) is not None:
@@ -139,10 +147,6 @@ def prepare_parsed_args(args) -> None:
     training_hooks.install(ext_config)  # metrics and replica checks after every train_step, any script
     if getattr(args, "num_experts", None) is None:
         return  # dense model: nothing of ours to install
-    if getattr(args, "hybrid_layer_pattern", None) is not None:
-        _print_rank_0("megatron_ext: hybrid model (--hybrid-layer-pattern): its --spec is a hybrid stack spec, which "
-                      "megatron_ext does not provide; the MoE layers stay Megatron's")
-        return
     if args.spec is None:
         if getattr(args, "attention_backend", None) == AttnBackend.local:
             raise MoEExtArgumentError(
@@ -157,6 +161,28 @@ def prepare_parsed_args(args) -> None:
 
 # What a model without MoE layers still uses: the replica check compares every parameter.
 DENSE_FIELDS = ("replica_check_interval",)
+
+
+def _megatrons_moe_layers(args) -> str | None:
+    """Why this MoE model's MoE layers are Megatron's own (None: megatron_ext builds them)."""
+    if getattr(args, "num_experts", None) is None:
+        return None
+    if getattr(args, "hybrid_layer_pattern", None) is not None:
+        return ("hybrid model (--hybrid-layer-pattern): its --spec is a hybrid stack spec, which megatron_ext "
+                "does not provide")
+    spec = getattr(args, "spec", None)
+    if spec and not spec[0].startswith("megatron_ext"):
+        return f"--spec {' '.join(spec)} is not megatron_ext's (--spec {' '.join(EXT_SPEC)})"
+    return None
+
+
+def _refuse_moe_settings_without_our_layers(ext_config, why: str) -> None:
+    """A MoE model whose MoE layers stay Megatron's, with megatron_ext's MoE settings changed: refused, not ignored."""
+    changed = [name for name in ext_config.changed_fields() if name not in DENSE_FIELDS]
+    if changed:
+        flags = ", ".join(FLAG_OF_FIELD[name] for name in changed)
+        raise MoEExtArgumentError(f"{flags} configure megatron_ext's MoE layers, and this model builds Megatron's: "
+                                  f"{why}. Drop them, or use megatron_ext's spec")
 
 
 def _refuse_moe_settings_without_experts(ext_config) -> None:

@@ -93,6 +93,17 @@ def test_hybrid_models_keep_their_own_stack_spec(hooked, capsys):
     assert "hybrid model" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("layout", [["--hybrid-layer-pattern", "M*E"], ["--spec", "local"]])
+def test_moe_models_that_keep_megatrons_layers_get_no_rowwise_checks_and_refuse_ext_settings(hooked, capsys, layout):
+    # Megatron's own MoE layers: its capacity factor is theirs, not a rowwise conflict.
+    args = parse_with(hooked, MOE_MODEL + layout + ["--moe-expert-capacity-factor", "1.0"])
+    assert args.spec == (None if "--hybrid-layer-pattern" in layout else ["local"])
+    assert "the MoE layers stay Megatron's" in capsys.readouterr().out
+    with pytest.raises(MoEExtArgumentError, match="--moe-ext-dropless-arena configure megatron_ext's MoE layers, "
+                                                  "and this model builds Megatron's"):
+        parse_with(hooked, MOE_MODEL + layout + ["--moe-ext-dropless-arena"])
+
+
 def test_an_explicit_spec_is_kept(hooked):
     args = parse_with(hooked, MOE_MODEL + ["--spec", "megatron_ext.specs", "gpt_block_spec"])
     assert args.spec == ["megatron_ext.specs", "gpt_block_spec"]
