@@ -133,3 +133,22 @@ def test_router_replay_blocks_capture():
     assert any("router replay" in reason for reason in capture_blockers(layer, torch.zeros(2, 4)))
     layer.router.router_replay = None
     assert not any("router replay" in reason for reason in capture_blockers(layer, torch.zeros(2, 4)))
+
+
+def test_a_moved_main_grad_drops_the_graphs_at_the_next_call(monkeypatch):
+    """Through __call__: DDP re-created a main_grad since capture -> one rank drops its graphs (and,
+    on this CPU, runs eagerly); at EP > 1 the call stops and names release_cuda_graphs."""
+    layer = _Layer()
+    layer.weight.main_grad = torch.zeros(4, 4)
+    runner = _captured(GraphedMoELayer(layer, num_slots=1), 1)
+    runner.main_grad_params = [layer.weight]
+    runner._main_grad_addresses = [layer.weight.main_grad.data_ptr()]
+    x = torch.randn(2, 4)
+    monkeypatch.setattr(runner_module, "ep_group_of", lambda layer: "peers")
+    layer.weight.main_grad = torch.zeros(4, 4)  # offload / restore: a new buffer
+    with pytest.raises(RuntimeError, match="release_cuda_graphs"):
+        runner(x)
+    assert runner.slots is not None, "at EP > 1 no rank drops its graphs alone"
+    monkeypatch.setattr(runner_module, "ep_group_of", lambda layer: None)
+    out, _ = runner(x)
+    assert runner.slots is None and runner.main_grad_params == [] and torch.equal(out, x @ layer.weight)
