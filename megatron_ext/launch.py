@@ -176,18 +176,22 @@ def _megatrons_moe_layers(args) -> str | None:
     return None
 
 
+def _changed_moe_flags(ext_config) -> str:
+    """The --moe-ext-* flags set away from their defaults that only megatron_ext's MoE layers use."""
+    return ", ".join(FLAG_OF_FIELD[name] for name in ext_config.changed_fields() if name not in DENSE_FIELDS)
+
+
 def _unused_moe_settings(ext_config) -> str:
     """What a MoE model whose MoE layers stay Megatron's does not use: said, not silently dropped
     (tools/bench_training.py's Megatron baseline appends its --spec to a case's --moe-ext-* flags)."""
-    changed = [FLAG_OF_FIELD[name] for name in ext_config.changed_fields() if name not in DENSE_FIELDS]
-    return f", which do not use {', '.join(changed)}" if changed else ""
+    flags = _changed_moe_flags(ext_config)
+    return f", which do not use {flags}" if flags else ""
 
 
 def _refuse_moe_settings_without_experts(ext_config) -> None:
     """A dense model (no --num-experts) with MoE settings changed: refused, not ignored."""
-    changed = [name for name in ext_config.changed_fields() if name not in DENSE_FIELDS]
-    if changed:
-        flags = ", ".join(FLAG_OF_FIELD[name] for name in changed)
+    flags = _changed_moe_flags(ext_config)
+    if flags:
         raise MoEExtArgumentError(f"{flags} configure MoE layers, and this model has none (--num-experts is not "
                                   f"set): set --num-experts for a MoE model, or drop them")
 

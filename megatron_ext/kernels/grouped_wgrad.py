@@ -26,6 +26,7 @@ the read-modify-write of `out` in the tile epilogue (8 bytes per weight in fp32,
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -109,6 +110,7 @@ def _tma_descriptor(rows: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(rows, block)
 
 
+@functools.lru_cache(maxsize=None)  # once per configuration, not per backward
 def _check_tiles(tiles: WgradTiles) -> None:
     def power_of_two(value):
         return value > 0 and value & (value - 1) == 0
