@@ -119,8 +119,9 @@ FLAGS: tuple[ExtFlag, ...] = (
             help="Debug: validate every route map (destinations in range, owner ranks, distinct rows, offsets) "
                  "and the experts' offsets; synchronizes with the host, and CUDA graphs are refused."),
     ExtFlag("lease_slots", "--moe-ext-lease-slots", "value", type=int, metavar="N",
-            help="Dispatch-buffer slots per MoE layer (microbatches in flight per layer; symm transport); "
-                 "raise it for pipeline schedules that keep several microbatches of a layer alive."),
+            help="Dispatch-buffer slots per MoE layer (microbatches in flight per layer) of the symm transport, "
+                 "the dropless arena and the CUDA-graph runner; raise it for pipeline schedules that keep several "
+                 "microbatches of a layer alive. The torch and deepep transports need none (refused there)."),
     ExtFlag("peer_timeout_s", "--moe-ext-peer-timeout-s", "value", type=float, metavar="SECONDS",
             help="How long a rank waits on its expert-parallel peers (count exchange, row transfers, device "
                  "barriers) before it stops with a message naming the phase and the group. Default: "

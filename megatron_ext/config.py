@@ -63,7 +63,8 @@ class MoEExtConfig:
         (0: never; the check synchronizes with the host).
     debug_poison: fill capacity tails and released buffers with NaN so stale reads show.
     debug_checks: extra validation that synchronizes with the host (debug only).
-    lease_slots: dispatch-buffer slots per layer (live microbatches per layer; symm transport).
+    lease_slots: dispatch-buffer slots per layer (live microbatches per layer) of the symm transport,
+        the arena and the graph runner; refused with the torch or deepep transport without those.
     fused_route_map: on GPUs, select routes and build the route map in two Triton kernels
         (moe/fused_routes.py; same results as the torch form, ~1 ms less host time per layer).
     fused_router: on GPUs, run Megatron's softmax top-k routing and its load-balancing loss in one
@@ -208,7 +209,10 @@ class MoEExtConfig:
                 ("router_gemms", not (self.fused_router and self.fused_route_map),
                  "it places the fused router's GEMMs, and fused_router=False or fused_route_map=False turns that "
                  "router off (it hands its selection to the fused route map)"),
-                ("peer_timeout_s", self.transport == "deepep", "DeepEP's waits are bounded by its own timeouts")):
+                ("peer_timeout_s", self.transport == "deepep", "DeepEP's waits are bounded by its own timeouts"),
+                ("lease_slots", self.transport in ("torch", "deepep") and not (self.cuda_graphs or self.dropless_arena),
+                 f"the {self.transport} transport's buffers belong to autograd (any number of microbatches may be "
+                 f"live); lease slots size the symm transport's dispatch buffers, the arena's and the graph slots")):
             if name in changed and unused:
                 raise ValueError(f"{name}={getattr(self, name)!r} does nothing here: {why}; leave it at its default")
 

@@ -129,9 +129,9 @@ def _stress_rank(rank, world, port, return_transfer="get"):
     for cf in (1.0, 1.25):
         for live in (1, 2):
             for poison in (False, True):
-                ext = dict(capacity_factor=cf, lease_slots=live, debug_poison=poison)
-                symm = ep_layer("symm", world, weights, return_transfer=return_transfer, **ext)
-                torch_ref = ep_layer("torch", world, weights, **ext)
+                ext = dict(capacity_factor=cf, debug_poison=poison)
+                symm = ep_layer("symm", world, weights, return_transfer=return_transfer, lease_slots=live, **ext)
+                torch_ref = ep_layer("torch", world, weights, **ext)  # autograd owns its buffers: no lease slots
                 for step in range(STRESS_STEPS):
                     batches = [_inputs(rank, 100 * step + mb, tokens=512) for mb in range(live)]
                     order = list(range(live)) if step % 2 else list(reversed(range(live)))

@@ -55,8 +55,7 @@ def _oracle(weights, xs, gs, keeps, rank):
 def _stress_rank(rank, world, cf, live, poison):
     config = moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, ep=world)
     weights = MoEWeights.random(EXPERTS, HIDDEN, FFN, seed=11)
-    layer = moe_builder(MoEExtConfig(transport="torch", capacity_factor=cf, lease_slots=live,
-                                     debug_poison=poison))(config=config)
+    layer = moe_builder(MoEExtConfig(transport="torch", capacity_factor=cf, debug_poison=poison))(config=config)
     load_weights(layer, weights)
     experts = local_expert_range(layer)
     dropped = 0

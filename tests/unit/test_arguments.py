@@ -41,6 +41,7 @@ def test_defaults_round_trip(megatron_parser):
     MoEExtConfig(dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.75, on_overflow="drop"),
     MoEExtConfig(transport="symm", mxfp8_dispatch=True, cuda_graphs=True, capacity_factor=1.0),
     MoEExtConfig(transport="torch", replica_check_interval=5),
+    MoEExtConfig(transport="torch", cuda_graphs=True, lease_slots=2),
     MoEExtConfig(transport="deepep", max_tokens_per_rank=1),
 ])
 def test_non_default_configs_round_trip_through_megatrons_parser(megatron_parser, config):

@@ -169,12 +169,12 @@ def test_launcher_runs_an_unmodified_script_as_main(tmp_path):
             print("RESULT", args.my_flag, args.spec, default_ext_config())
     """))
     result = subprocess.run([sys.executable, "-m", "megatron_ext.launch", str(script), "--my-flag", "5", *MOE_MODEL,
-                             "--moe-ext-transport", "torch", "--moe-ext-lease-slots", "2"],
+                             "--moe-ext-transport", "torch", "--moe-ext-metrics-interval", "2"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
     assert line == ("RESULT 5 ['megatron_ext.specs', 'gpt_block_spec'] "
-                    f"{MoEExtConfig(transport='torch', lease_slots=2)}")
+                    f"{MoEExtConfig(transport='torch', metrics_interval=2)}")
 
 
 def test_launcher_usage_without_a_script():
