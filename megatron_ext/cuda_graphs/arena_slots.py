@@ -27,14 +27,15 @@ def arena_untouched(arena_layer):
         yield
         return
     arena = arena_layer.arena
-    current, busy = arena.current, [slot.busy for slot in arena.slots]
+    current, busy = arena.current, [(slot.busy, slot.next_layer) for slot in arena.slots]
     cursors = [(slot.cursors.clone(), slot.starts.clone()) for slot in arena.slots]
+    arena.order_checked = False  # warm-up repeats the layer's forward; capture runs it in other slots
     try:
         yield
     finally:
-        arena.current = current
-        for slot, was_busy, (cursor, starts) in zip(arena.slots, busy, cursors):
-            slot.busy = was_busy
+        arena.current, arena.order_checked = current, True
+        for slot, (was_busy, next_layer), (cursor, starts) in zip(arena.slots, busy, cursors):
+            slot.busy, slot.next_layer = was_busy, next_layer
             slot.cursors.copy_(cursor)
             slot.starts.copy_(starts)
 
@@ -68,12 +69,13 @@ def acquire(arena_layer, index: int) -> None:
                                f"layer is free: the arena and the layer's graphs went out of step (an eager forward "
                                f"of the arena's layers whose backward has not run, e.g. evaluation with gradients "
                                f"on: run it under torch.no_grad(), or finish its backward before the next step)")
-        slot.busy, arena.current = True, slot
+        slot.busy, slot.next_layer, arena.current = True, 0, slot
     elif arena.current is not slot or not slot.busy:
         raise RuntimeError(f"graph slot {index} of MoE layer {arena_layer.index} replays while another arena slot is "
                            f"current: the layers' graph slots went out of step (every layer must run every "
                            f"microbatch, in model order: a model that skips or reorders MoE layers cannot share "
                            f"one arena under --moe-ext-cuda-graphs)")
+    arena.step_to(slot, arena_layer.index)
 
 
 def release(arena_layer, index: int) -> None:

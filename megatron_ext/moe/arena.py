@@ -96,6 +96,7 @@ class _Slot:
     fc1: torch.Tensor | None = None
     act: torch.Tensor | None = None
     busy: bool = False
+    next_layer: int = 0  # the layer whose forward comes next in this microbatch (RowArena.step_to)
     views: dict = field(default_factory=dict)  # layer index -> its SymmetricBuffer view of `rows`
     act_views: dict = field(default_factory=dict)  # layer index -> its [C, F] view of `act`
     spills: dict = field(default_factory=dict)  # (layer index, act kept) -> kernels/arena_spill.SpillArrays
@@ -120,6 +121,7 @@ class RowArena:
         self.slots: list[_Slot] = []
         self.current: _Slot | None = None
         self.world = self.rank = None
+        self.order_checked = True  # off while the graph runner warms up and captures (cuda_graphs/arena_slots.py)
 
     def configure(self, max_tokens: int, topk: int) -> None:
         """Size the layout from a layer's T_max and K (at its first forward; all layers must agree)."""
@@ -158,11 +160,24 @@ class RowArena:
                                f"again before the previous backward); raise --moe-ext-lease-slots "
                                f"(MoEExtConfig.lease_slots) to the number of microbatches in flight")
         slot = self.current = free[0]
-        slot.busy = True
+        slot.busy, slot.next_layer = True, 0
         slot.cursor_rows[0].zero_()
         if self.poison:  # unwritten rows must never be read; fenced before peers PUT
             poison_then_fence(slot.rows)
         return slot
+
+    def step_to(self, slot: _Slot, index: int) -> None:
+        """Layer `index` runs its forward in `slot`'s microbatch. A layer's cursor row is the one the
+        layer before it wrote in this microbatch: a layer run out of order, twice or after a skipped
+        one would read a stale cursor and place its rows over another layer's (host-side check)."""
+        if self.order_checked and slot.next_layer != index:
+            ran = f"after all {self.layers} layers had run" if slot.next_layer == self.layers else \
+                f"where layer {slot.next_layer} was next"
+            raise RuntimeError(f"MoE layer {index} of the dropless arena ran {ran} in this microbatch: the layers "
+                               f"sharing an arena must each run once per microbatch, in model order (a model that "
+                               f"skips, repeats or reorders its MoE layers cannot share one: turn off "
+                               f"--moe-ext-dropless-arena)")
+        slot.next_layer = index + 1
 
     def free(self, slot: _Slot) -> None:
         if slot.busy:
@@ -246,6 +261,7 @@ class ArenaLayer:
         if slot is None or not slot.busy:
             raise RuntimeError(f"MoE layer {self.index} of the arena ran before layer 0 opened it for this "
                                f"microbatch: the arena's layers must run in their model order")
+        arena.step_to(slot, self.index)
         # Whether a backward will follow, read here: the transport leases inside the dispatch node's
         # forward, where autograd has turned gradients off.
         self.forward_only = not torch.is_grad_enabled()

@@ -15,7 +15,7 @@ import torch
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.moe.arena import ArenaLayout, arena_layout, attach_arenas
-from megatron_ext.moe import arena_rows
+from megatron_ext.moe import arena as arena_module, arena_rows
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.specs import moe_builder
@@ -47,7 +47,9 @@ def _step(layers, x, g):
 
 
 def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="drop", poison=False,
-                recompute=False, act_spill=True):
+                recompute=False, act_spill=True, layout=None):
+    if layout is not None:  # this forked rank only: the arena gets exactly `layout`
+        arena_module.arena_layout = lambda *args: layout
     if not act_spill:  # a mutation (this forked rank only): the activation's rows past P stay in region i+1
         move = arena_rows.move_spill
         arena_rows.move_spill = lambda arrays, *args, **kwargs: move(
@@ -73,6 +75,7 @@ def _arena_rank(rank, world, skew, capacity_factor, region_factor, on_overflow="
     return {"equal": equal, "dropped": [m["dropped_routes"] for m in metrics], "received": received,
             "layout": arena.layout, "capacities": [layer.token_dispatcher.capacity for layer in arena_stack],
             "error": error, "slots_busy": [slot.busy for slot in arena.slots],
+            "spilled_before_last": int(arena.slots[0].cursors[LAYERS - 1][rank]),
             "act_arena": arena.slots[0].act is not None and all(kept)}
 
 
@@ -253,3 +256,24 @@ def test_a_layer_before_the_last_is_held_to_its_view():
         assert all(got <= view for got, view in zip(result["received"], result["capacities"])), result
         assert result["dropped"][0] > 0 and result["error"] is not None, result
     assert max(results[0]["received"][:-1]) == results[0]["capacities"][0]  # the case reaches the view
+
+
+@pytest.mark.parametrize("world,budget", [(2, (1.5, 0.75)), (4, (2.0, 1.0))])
+def test_a_shared_area_used_to_its_last_row(world, budget):
+    """The shared area cut to exactly what the busiest destination needs (its earlier layers' spill,
+    growing down from the end, meets the last layer's run-on, growing up from the start): every
+    row is still where dropless=True has it (poisoned arena, bitwise), and one row fewer drops a
+    route. A spill start off by one row either way overlaps the run-on or leaves the arena."""
+    first = run_on_ranks(_arena_rank, world, 0.25, *budget, sizes=ParallelSizes(ep=world))
+    layout = first[0]["layout"]
+    need = [r["spilled_before_last"] + max(r["received"][-1] - layout.region, 0) for r in first]
+    busiest = max(range(world), key=need.__getitem__)
+    assert first[busiest]["spilled_before_last"] > 0 and first[busiest]["received"][-1] > layout.region
+    exact = dataclasses.replace(layout, shared=need[busiest])
+    for result in run_on_ranks(_arena_rank, world, 0.25, *budget, "drop", True, layout=exact,
+                               sizes=ParallelSizes(ep=world)):
+        assert all(result["equal"]) and result["dropped"] == [0] * LAYERS, result
+        assert result["layout"] == exact
+    short = dataclasses.replace(layout, shared=need[busiest] - 1)
+    dropped = run_on_ranks(_arena_rank, world, 0.25, *budget, layout=short, sizes=ParallelSizes(ep=world))
+    assert sum(sum(r["dropped"]) for r in dropped) > 0

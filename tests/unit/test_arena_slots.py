@@ -59,3 +59,26 @@ def test_the_first_layer_captures_its_slots_in_order():
                 assert arena.current is arena.slots[index]
     assert arena.current is None and not any(slot.busy for slot in arena.slots)
     assert arena_slots.arena_of(torch.nn.Linear(1, 1)) is None
+
+
+@pytest.mark.parametrize("order,message", [
+    ((0, 2), "MoE layer 2 of the dropless arena ran where layer 1 was next"),
+    ((0, 1, 1), "MoE layer 1 of the dropless arena ran where layer 2 was next"),
+    ((0, 1, 2, 2), "MoE layer 2 of the dropless arena ran after all 3 layers had run")])
+def test_layers_out_of_model_order_are_refused(order, message):
+    """A layer's spill cursor is the row the layer before it wrote in this microbatch: a skipped,
+    repeated or reordered layer would read a stale one (every rank alike) and place rows over
+    another layer's. Eagerly and in replays, it stops at that layer's forward instead."""
+    for replay in (False, True):
+        arena, layers = _arena()
+        *ran, wrong = order
+        for index in ran:
+            arena_slots.acquire(layers[index], 0) if replay else layers[index].begin_forward(True)
+        with pytest.raises(RuntimeError, match=message):
+            arena_slots.acquire(layers[wrong], 0) if replay else layers[wrong].begin_forward(True)
+    arena, layers = _arena()
+    for index in range(3):  # in order: accepted; a new microbatch starts at layer 0 again
+        layers[index].begin_forward(True)
+    arena.free(arena.current)
+    layers[0].begin_forward(True)
+    assert arena.current.next_layer == 1
