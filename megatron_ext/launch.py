@@ -157,6 +157,21 @@ def prepare_parsed_args(args) -> None:
         _print_once(f"megatron_ext: MoE layers from --spec {' '.join(EXT_SPEC)} ({ext_config})")
     elif args.spec[0].startswith("megatron_ext"):
         _resolve_spec(args.spec)
+    notice = _drop_notice(ext_config, getattr(args, "expert_model_parallel_size", 1) or 1)
+    if notice:
+        _print_once(notice)
+
+
+def _drop_notice(ext_config, ep: int) -> str | None:
+    """Megatron's MoE layer under these flags is dropless (its capacity factor is refused here, see
+    megatron_ext.rules); the rowwise layer's capacity drops beyond cf x the balanced load when cf < EP."""
+    if ext_config.dispatcher != "rowwise" or ext_config.overflow_policy != "drop" or ext_config.dropless or \
+            ext_config.capacity_factor >= ep:
+        return None
+    return (f"megatron_ext: the rowwise MoE layers hold --moe-ext-capacity-factor {ext_config.capacity_factor:g} x "
+            f"the balanced load per destination rank and drop the routes beyond it (Megatron's own layer would keep "
+            f"them); dropped routes are reported at each --log-interval. To drop none: --moe-ext-dropless-arena "
+            f"(bounded) or --moe-ext-dropless (worst-case buffers)")
 
 
 # What a model without MoE layers still uses: the replica check compares every parameter.

@@ -36,13 +36,38 @@ def routing_metrics_line(model, iteration: int) -> str | None:
             f"mean capacity fill {fill:.3f} | capacity {reads[0]['capacity']} rows{warning}")
 
 
+def _sum_over_ranks(value: int) -> int:
+    """`value` summed over the default group (every rank calls it after the same iterations)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    import torch
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total)
+
+
+def report_drops(model, iteration: int) -> str | None:
+    """Capacity-bounded layers (on_overflow "drop") drop the routes beyond their capacity, where
+    Megatron's own dropless layer would keep them: without --moe-ext-metrics-interval, the routes
+    dropped on every rank since the last report, as a warning line when there were any (one host
+    read and one all-reduce of one integer; returned on every rank)."""
+    reads = [m.read_metrics() for m in model_modules(model) if hasattr(m, "read_metrics")]
+    dropped = _sum_over_ranks(sum(r["dropped_routes"] for r in reads if r is not None))
+    if dropped == 0:
+        return None
+    return (f"megatron_ext: warning: the MoE layers dropped {dropped} routes (all ranks) in the iterations up to "
+            f"{iteration}: their buffers hold --moe-ext-capacity-factor x the balanced load per destination rank. "
+            f"To drop none, use --moe-ext-dropless-arena (bounded; stops with an error if its budget is exceeded) "
+            f"or --moe-ext-dropless (worst-case buffers), or raise --moe-ext-capacity-factor")
+
+
 def check_overflows(model) -> None:
     """Bounded dropless: every rank checks its MoE layers (one host read), then all ranks raise
     CapacityExceeded together when any layer on any rank overflowed. A rank raising alone would
     leave the others waiting in their next collective (pipeline stages, data-parallel replicas).
     A collective over the default group: every rank calls it after the same iterations."""
-    import torch
-
     from megatron_ext.moe.overflow import CapacityExceeded
 
     message = None
@@ -52,13 +77,7 @@ def check_overflows(model) -> None:
                 module.check_overflow()
             except CapacityExceeded as error:
                 message = message or str(error)
-    overflowed = message is not None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([int(overflowed)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag)
-        overflowed = int(flag) > 0
-    if overflowed:
+    if _sum_over_ranks(int(message is not None)) > 0:
         raise CapacityExceeded(message or "another rank's MoE layer overflowed its capacity (that rank's error "
                                           "names the layer and the capacity factor it needs)")
 
@@ -71,9 +90,16 @@ def model_modules(model):
 
 def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: int = 1) -> None:
     """The work due after training iteration `iteration`: metrics and replica checks at their
-    intervals; the bounded-dropless overflow check every `log_interval` iterations."""
-    if config.overflow_policy == "error" and iteration % max(log_interval, 1) == 0:
+    intervals; the bounded-dropless overflow check, or without metrics the report of dropped
+    routes, every `log_interval` iterations."""
+    at_log = iteration % max(log_interval, 1) == 0
+    if config.overflow_policy == "error" and at_log:
         check_overflows(model)
+    may_drop = config.dispatcher == "rowwise" and config.overflow_policy == "drop" and not config.dropless
+    if may_drop and not config.metrics_interval and at_log:
+        line = report_drops(model, iteration)
+        if line and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(line, flush=True)
     if config.metrics_interval and iteration % config.metrics_interval == 0:
         line = routing_metrics_line(model, iteration)
         if line and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -115,16 +141,16 @@ def _megatron_args():
 
 def install(config: MoEExtConfig) -> bool:
     """Run `after_train_step` after every Megatron train_step; idempotent (the newest config wins).
-    Returns whether a hook is active (nothing is installed when both intervals are 0)."""
+    Returns whether a hook is active (nothing is installed for Megatron's dispatcher without a
+    replica check)."""
     from megatron.training import training
 
     current = training.train_step
     if getattr(current, "_megatron_ext_config", None) is not None:
         current._megatron_ext_config[0] = config
         return True
-    if not (config.metrics_interval or config.replica_check_interval or config.overflow_policy == "error"
-            or config.dropless_arena):
-        return False
+    if config.dispatcher != "rowwise" and not config.replica_check_interval:
+        return False  # Megatron's MoE layers: nothing of ours to check or report
     check_hook_point()
     signature = inspect.signature(current)
     holder = [config]

@@ -248,3 +248,18 @@ def test_megatron_on_a_machine_without_a_gpu_is_a_usage_error(tmp_path):
     assert "megatron.training needs a GPU" in result.stderr and "train_tiny_moe_cpu.py" in result.stderr
     other = _launch(tmp_path, 'if __name__ == "__main__":\n    assert False, "expected a CUDA tensor"\n', env=no_gpu)
     assert other.returncode == 1 and "AssertionError: expected a CUDA tensor" in other.stderr  # other asserts
+
+
+@pytest.mark.parametrize("flags,dropping", [
+    (["--expert-model-parallel-size", "2"], True),  # cf 1.25 < EP: beyond it routes drop
+    (["--expert-model-parallel-size", "2", "--moe-ext-capacity-factor", "2.0"], False),  # cf >= EP: dropless
+    (["--expert-model-parallel-size", "2", "--moe-ext-dropless-arena"], False),
+    (["--expert-model-parallel-size", "2", "--moe-ext-dropless"], False),
+    ([], False)])  # EP = 1: the capacity is the worst case
+def test_a_layer_that_may_drop_where_megatrons_would_not_says_so_at_start_up(hooked, capsys, flags, dropping):
+    launch._printed.clear()
+    parse_with(hooked, [*MOE_MODEL, *flags])
+    out = capsys.readouterr().out
+    assert ("drop the routes beyond it (Megatron's own layer would keep them)" in out) is dropping, out
+    if dropping:
+        assert "--moe-ext-capacity-factor 1.25 x" in out and "--moe-ext-dropless-arena" in out

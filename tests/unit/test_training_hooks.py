@@ -7,13 +7,13 @@ from megatron_ext.config import MoEExtConfig
 
 
 class _LayerWithMetrics(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dropped=3):
         super().__init__()
-        self.reads = 0
+        self.reads, self.dropped = 0, dropped
 
     def read_metrics(self):
         self.reads += 1
-        return {"dropped_routes": 3, "mean_buffer_fill": 0.5, "capacity": 64}
+        return {"dropped_routes": self.dropped, "mean_buffer_fill": 0.5, "capacity": 64}
 
 
 def test_metrics_are_read_every_interval(capsys):
@@ -27,9 +27,27 @@ def test_metrics_are_read_every_interval(capsys):
                      f"0.500 | capacity 64 rows" for i in (2, 4)]
 
 
-def test_nothing_runs_with_zero_intervals(capsys):
+def test_dropped_routes_are_reported_at_logging_steps_without_metrics(capsys):
+    """Megatron's layer with the same flags would be dropless: a capacity-bounded layer's drops are
+    never silent (one read per logging step, summed over ranks, a warning only when there were any)."""
+    model = torch.nn.Sequential(_LayerWithMetrics(), _LayerWithMetrics(dropped=4))
+    for iteration in range(1, 11):
+        training_hooks.after_train_step(model, iteration, MoEExtConfig(), log_interval=5)
+    assert [m.reads for m in model] == [2, 2]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[:2] for line in lines] == [["megatron_ext", " warning"]] * 2, lines
+    assert "dropped 7 routes (all ranks) in the iterations up to 10" in lines[1]
+    assert "--moe-ext-dropless-arena" in lines[1] and "--moe-ext-capacity-factor" in lines[1]
+    quiet = torch.nn.Sequential(_LayerWithMetrics(dropped=0))
+    training_hooks.after_train_step(quiet, 5, MoEExtConfig(), log_interval=5)
+    assert quiet[0].reads == 1 and capsys.readouterr().out == ""
+
+
+def test_nothing_is_read_where_nothing_can_drop_or_metrics_report_drops(capsys):
     model = torch.nn.Sequential(_LayerWithMetrics())
-    training_hooks.after_train_step(model, 10, MoEExtConfig())
+    for config in (MoEExtConfig(dropless=True), MoEExtConfig(dispatcher="megatron")):
+        training_hooks.after_train_step(model, 10, config)
+    training_hooks.after_train_step(model, 3, MoEExtConfig(metrics_interval=4))
     assert model[0].reads == 0 and capsys.readouterr().out == ""
 
 
@@ -39,7 +57,7 @@ def test_hook_point_and_install_are_idempotent(monkeypatch):
     training_hooks.check_hook_point()  # megatron.training as shipped in the pinned wheel
     original = getattr(training.train_step, "__wrapped__", training.train_step)  # another test may have wrapped it
     monkeypatch.setattr(training, "train_step", original)
-    assert not training_hooks.install(MoEExtConfig()), "no interval: nothing to install"
+    assert not training_hooks.install(MoEExtConfig(dispatcher="megatron")), "Megatron's layers: nothing to install"
     assert training.train_step is original
     assert training_hooks.install(MoEExtConfig(metrics_interval=5))
     wrapped = training.train_step
