@@ -98,16 +98,21 @@ def ep_group_of(layer):
 @contextlib.contextmanager
 def metrics_untouched(layer):
     """Run steps whose metrics must not count: Megatron's MoE metrics tracker (the logged
-    load-balancing loss, per layer) and the layer's own routing metrics are as before afterwards.
-    Entries first created inside stay (so a later capture records into tensors that already
-    exist) but hold zero. Megatron internals: MoEMetricsTracker.metrics[name].values
-    (transformer/moe/moe_logging.py, megatron-core 0.19.2); tests/unit/test_graph_runner_metrics.py
-    fails if they move."""
+    load-balancing loss, per layer), the layer's own routing metrics and the layer's buffers are
+    as before afterwards. Entries first created inside stay (so a later capture records into
+    tensors that already exist) but hold zero. The buffers are what a forward accumulates for the
+    step's end: the router's tokens per expert for the expert-bias update, the global aux loss's
+    counts and steps, quantile balancing's sums (Megatron's own graph runner zeroes them after
+    capture, finalize_model_grads.reset_model_temporary_tensors). Megatron internals:
+    MoEMetricsTracker.metrics[name].values (transformer/moe/moe_logging.py, megatron-core 0.19.2);
+    tests/unit/test_graph_runner_metrics.py fails if they move."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     tracker = get_moe_metrics_tracker()
     saved = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
     saved_own = {name: counter.clone() for name, counter in _layer_counters(layer).items()}
+    buffers = list(layer.buffers()) if isinstance(layer, torch.nn.Module) else []
+    saved_buffers = [buffer.clone() for buffer in buffers]
     try:
         yield
     finally:
@@ -121,6 +126,8 @@ def metrics_untouched(layer):
                 counter.copy_(saved_own[name])
             else:
                 counter.zero_()
+        for buffer, saved_buffer in zip(buffers, saved_buffers):
+            buffer.copy_(saved_buffer)
 
 
 def _layer_counters(layer) -> dict[str, torch.Tensor]:

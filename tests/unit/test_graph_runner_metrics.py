@@ -55,3 +55,39 @@ def test_warm_up_forwards_do_not_count_in_the_overflow_check():
         layer._overflow.sums += 10
         torch.maximum(layer._overflow.peak_demand, torch.tensor([8, 1]), out=layer._overflow.peak_demand)
     assert layer._overflow.sums.tolist() == [1, 1] and layer._overflow.peak_demand.tolist() == [3, 3]
+
+
+def _router_state_rank(rank, world):
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.specs import moe_builder
+    from megatron_ext.testing.megatron_moe import moe_config
+
+    layer = moe_builder(MoEExtConfig(transport="torch"))(config=moe_config(
+        hidden=32, ffn=16, experts=8, topk=2, ep=1, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01))
+    router = layer.router
+
+    def step(seed):
+        x = torch.randn(16, 1, 32, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        layer(x)[0].sum().backward()
+
+    step(0)  # a training microbatch
+    before = {name: buffer.clone() for name, buffer in layer.named_buffers()}
+    with metrics_untouched(layer):
+        for seed in (1, 2):  # the runner's two warm-up steps
+            step(seed)
+        moved = [name for name, buffer in layer.named_buffers() if not torch.equal(buffer, before[name])]
+    after = {name: buffer for name, buffer in layer.named_buffers()}
+    return moved, {name: torch.equal(after[name], before[name]) for name in before}, int(router.ga_steps)
+
+
+def test_warm_up_steps_leave_the_routers_step_state_as_it_was():
+    """What the router accumulates over a step for its end (the expert-bias update's tokens per expert,
+    the global aux loss's counts and steps) must not count the warm-up's forwards (a review found them
+    counted three times in the first step)."""
+    from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+    (moved, equal, ga_steps), = run_on_ranks(_router_state_rank, 1, sizes=ParallelSizes())
+    assert {"router.local_tokens_per_expert", "router.global_tokens_per_expert", "router.ga_steps"} <= set(moved)
+    assert all(equal.values()), equal
+    assert ga_steps == 1
