@@ -124,7 +124,13 @@ def ddp_pg_collection(folding_groups):
 
 
 class _OrderedLauncher:
-    """Launch bucket groups strictly in `order`; a request for a later one waits for the earlier."""
+    """Launch bucket groups strictly in `order`; a request for a later one waits for the earlier.
+
+    Re-entrant: Megatron's start_grad_sync may itself ask for another group's launch (with
+    reduce_scatter_with_fp32_accumulation it drains its predecessor, whose first-batch
+    finish_grad_sync calls start_grad_sync again, 0.19.2). Such a request is recorded and served
+    by the loop already running, after the launch in progress: never a launch inside a launch.
+    """
 
     def __init__(self, order: list, originals: dict):
         self.order = order
@@ -137,13 +143,23 @@ class _OrderedLauncher:
         self.requested: dict[int, Any] = {}
         self.next = 0
         self.log: list[int] = []
+        self.launching = False
 
     def request(self, bucket_group, force_all_reduce: bool | None = False) -> None:
-        self.requested[self.position[id(bucket_group)]] = force_all_reduce
-        while self.next < len(self.order) and self.next in self.requested:
-            self.originals[id(self.order[self.next])](force_all_reduce=self.requested[self.next])
-            self.log.append(self.next)
-            self.next += 1
+        position = self.position[id(bucket_group)]
+        if position < self.next:
+            return  # launched already this step (a successor draining it asks again: Megatron's no-op)
+        self.requested[position] = force_all_reduce
+        if self.launching:
+            return
+        self.launching = True
+        try:
+            while self.next < len(self.order) and self.next in self.requested:
+                position, self.next = self.next, self.next + 1
+                self.log.append(position)
+                self.originals[id(self.order[position])](force_all_reduce=self.requested[position])
+        finally:
+            self.launching = False
 
 
 def launch_order(ddp) -> list:

@@ -235,6 +235,47 @@ def test_megatron_ddp_with_folding_hook_matches_reference_in_fixed_order():
     assert in_backward == groups and log == list(range(groups))
 
 
+def _fp32_reduce_scatter_rank(rank, world):
+    """Megatron links each bucket group to its predecessor under reduce_scatter_with_fp32_accumulation
+    and drains it inside start_grad_sync (whose first-batch finish_grad_sync starts it again): the
+    ordered launcher must serve that re-entrant request, not recurse (a review's RecursionError)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_ext.ddp.megatron_hook import FoldingDistributedDataParallel
+
+    folding = FoldingMesh(world, ep=2).create_groups()
+    grads, logs = {}, None
+    for kind in ("megatron", "folding"):
+        model, _ = build(ep=2)
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=True,
+                                                   reduce_scatter_with_fp32_accumulation=True, bucket_size=150)
+        ddp = (FoldingDistributedDataParallel(model.moe.config, ddp_config, model, folding_groups=folding)
+               if kind == "folding" else DistributedDataParallel(model.moe.config, ddp_config, model))
+        steps = []
+        for step in range(2):
+            ddp.zero_grad_buffer()
+            x, g = rank_tokens(rank, TOKENS, HIDDEN)
+            with ddp.no_sync():  # as Megatron's pipeline schedules run the last backward with grad_sync_func set
+                ((ddp(x) * g).sum() / TOKENS).backward()
+            ddp.start_grad_sync()  # what grad_sync_func calls
+            ddp.finish_grad_sync()
+            steps.append([p.main_grad.clone() for p in model.parameters()])
+            if kind == "folding":
+                logs = (logs or []) + [ddp.grad_launcher.last_log]
+        grads[kind] = steps
+        linked = sum(bg.previous_grad_reduce_bucket_group is not None
+                     for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups)
+    equal = all(torch.equal(a, b) for s in range(2) for a, b in zip(grads["megatron"][s], grads["folding"][s]))
+    return equal, logs, len(ddp.grad_launcher.order), linked
+
+
+def test_megatron_ddp_hook_with_fp32_reduce_scatter_drains_predecessors_in_order():
+    for equal, logs, groups, linked in run_on_ranks(_fp32_reduce_scatter_rank, 4, sizes=ParallelSizes(ep=2)):
+        assert linked >= 1, "Megatron linked no bucket groups: the case does not reach the drain"
+        assert equal, "the reduce-scattered main_grads differ from Megatron's own DDP"
+        assert logs == [list(range(groups))] * 2, logs
+
+
 def _megatron_group_swap_rank(rank, world):
     """The hook really sets Megatron's reduction group: swapping EP_DP for EP_MP (same size,
     other ranks) breaks the expert gradients; swapping back restores them; a group of another
