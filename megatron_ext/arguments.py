@@ -112,7 +112,8 @@ FLAGS: tuple[ExtFlag, ...] = (
     ExtFlag("replica_check_interval", "--moe-ext-replica-check-interval", "value", type=int, metavar="N",
             help="Every N iterations (after Megatron's train_step, under any training script) compare parameter "
                  "checksums across each replica group (dense over DP x CP, experts over expert-data-parallel) "
-                 "and stop naming the first parameter that disagrees; synchronizes, so 0 (never) is the default."),
+                 "and stop naming the first parameter that disagrees; synchronizes, so 0 (never) is the default. "
+                 "Refused with --overlap-param-gather (parameters are gathered in the next forward)."),
     ExtFlag("debug_poison", "--moe-ext-debug-poison", "on",
             help="Debug: fill capacity tails and released buffers with NaN so stale reads show up."),
     ExtFlag("debug_checks", "--moe-ext-debug-checks", "on",
@@ -281,6 +282,17 @@ def _ext_flag_conflicts(args) -> list[str]:
     if getattr(args, "moe_ext_mxfp8_dispatch") and hidden is not None and hidden % 32:
         return [f"--moe-ext-mxfp8-dispatch needs --hidden-size divisible by 32 (one E8M0 scale per 32 "
                 f"values), got --hidden-size {hidden}"]
+    return replica_check_conflicts(args)
+
+
+def replica_check_conflicts(args) -> list[str]:
+    """The replica check compares parameters right after Megatron's train_step; with
+    --overlap-param-gather the distributed optimizer gathers the updated shards in the next
+    forward instead (0.19.2), so replicas differ there by design and the check would stop a good run."""
+    if getattr(args, "moe_ext_replica_check_interval", 0) and getattr(args, "overlap_param_gather", False):
+        return ["--moe-ext-replica-check-interval with --overlap-param-gather: the distributed optimizer gathers "
+                "the updated parameters in the next forward, so right after a step each data-parallel rank holds "
+                "only its own shard's update and the check would report every parameter; drop one of the two"]
     return []
 
 

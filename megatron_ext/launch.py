@@ -33,7 +33,7 @@ import runpy
 import sys
 
 from megatron_ext.arguments import (FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
-                                    validate_against_megatron)
+                                    replica_check_conflicts, validate_against_megatron)
 from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
 EXT_SPEC = ["megatron_ext.specs", "gpt_block_spec"]
@@ -130,6 +130,8 @@ def prepare_parsed_args(args) -> None:
     kept_megatrons = _megatrons_moe_layers(args)
     if kept_megatrons is not None:  # a MoE model whose MoE layers megatron_ext does not build
         ext_config = ext_config_from_args(args)
+        for problem in replica_check_conflicts(args):  # the replica check still runs on such a model
+            raise MoEExtArgumentError(f"megatron_ext cannot run with these flags:\n  - {problem}")
         specs.set_default_ext_config(ext_config)
         training_hooks.install(ext_config)
         _print_rank_0(f"megatron_ext: {kept_megatrons}; the MoE layers stay Megatron's"

@@ -263,3 +263,14 @@ def test_a_layer_that_may_drop_where_megatrons_would_not_says_so_at_start_up(hoo
     assert ("drop the routes beyond it (Megatron's own layer would keep them)" in out) is dropping, out
     if dropping:
         assert "--moe-ext-capacity-factor 1.25 x" in out and "--moe-ext-dropless-arena" in out
+
+
+@pytest.mark.parametrize("model", [[], MOE_MODEL, MOE_MODEL + ["--spec", "local"]], ids=["dense", "moe", "megatrons"])
+def test_the_replica_check_is_refused_where_parameters_are_gathered_in_the_next_forward(hooked, model):
+    """Right after a step with --overlap-param-gather each data-parallel rank holds only its own
+    shard's update (a review's emulation: every parameter reported), on any model the check runs on."""
+    check = ["--moe-ext-replica-check-interval", "5", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    parse_with(hooked, model + check)  # gathered in the step: checked
+    with pytest.raises(launch.MoEExtArgumentError, match="--moe-ext-replica-check-interval with "
+                                                         "--overlap-param-gather: .*drop one of the two"):
+        parse_with(hooked, model + check + ["--overlap-param-gather"])
