@@ -72,6 +72,24 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _refuse_finalize_reductions(named) -> None:
+    """Megatron's finalize_model_grads reduces some gradients beyond the replica groups (0.19.2):
+    sequence-parallel norms and router over TP (attribute `sequence_parallel`, or
+    `average_gradients_across_tp_domain`), the embedding shared by the first and last pipeline
+    stages (`shared_embedding`). MultiGroupGradBuckets does not run those reductions, so such a
+    model would train each TP rank or stage on its own partial gradient: refused."""
+    needs = {"sequence_parallel": "summed over tensor-parallel ranks (sequence parallelism)",
+             "average_gradients_across_tp_domain": "averaged over tensor-parallel ranks",
+             "shared_embedding": "summed over the first and last pipeline stages (shared embedding)"}
+    found = [(name, why) for name, param in named for attr, why in needs.items() if getattr(param, attr, False)]
+    if found:
+        names = ", ".join(repr(name) for name, _ in found[:3]) + (" ..." if len(found) > 3 else "")
+        raise ValueError(f"MultiGroupGradBuckets reduces each gradient over its replica group only (DP x CP, EP_DP); "
+                         f"{names} must also be {found[0][1]} by Megatron's finalize_model_grads, which it does not "
+                         f"run. Use Megatron's DistributedDataParallel with megatron_ext.ddp.megatron_hook "
+                         f"(FoldingDistributedDataParallel) and finalize_model_grads for this model")
+
+
 # ---------------------------------------------------------------- the runtime
 
 
@@ -102,6 +120,7 @@ class MultiGroupGradBuckets:
             example = next(i.name for i in infos if i.group in unknown)
             raise ValueError(f"assign() returned groups {unknown} (e.g. for {example!r}) that are not "
                              f"in groups {sorted(groups)}")
+        _refuse_finalize_reductions(named)
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; "

@@ -16,7 +16,7 @@ import torch
 
 DENSE = "dense"
 EXPERT = "expert"
-DEFAULT_BUCKET_BYTES = 40_000_000  # Megatron's default floor (40 MB)
+DEFAULT_BUCKET_BYTES = 40_000_000  # bytes; Megatron's DDP floor is 40M elements (160 MB of fp32 gradients)
 
 AssignFn = Callable[[str, torch.nn.Parameter], str]
 

@@ -190,3 +190,19 @@ def test_megatron_launcher_launches_in_fixed_order_whatever_the_request_order():
     assert launched == []
     launcher.request(order[0])
     assert launched == [0, 1, 2] and launcher.log == [0, 1, 2]
+
+
+@pytest.mark.parametrize("attr,why", [("sequence_parallel", "summed over tensor-parallel ranks"),
+                                      ("average_gradients_across_tp_domain", "averaged over tensor-parallel ranks"),
+                                      ("shared_embedding", "summed over the first and last pipeline stages")])
+def test_buckets_refuse_parameters_that_finalize_model_grads_reduces_beyond_the_replica_groups(attr, why):
+    """Megatron marks these (sequence-parallel norms and router, the embedding shared across
+    stages); MultiGroupGradBuckets does not run finalize_model_grads, so a review's TP2 x DP2 run
+    trained each TP rank on its partial norm gradient with no error."""
+    from megatron_ext.ddp.buckets import MultiGroupGradBuckets
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None})  # unmarked: accepted
+    setattr(model[1].weight, attr, True)
+    with pytest.raises(ValueError, match=rf"'1.weight' must also be {why}.* by Megatron's finalize_model_grads"):
+        MultiGroupGradBuckets(torch.nn.Sequential(*model), {DENSE: None, EXPERT: None})
