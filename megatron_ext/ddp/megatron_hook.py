@@ -11,8 +11,9 @@ it does not guarantee:
     collectives on two overlapping communicators in a different order.
 
 `install_folding_ddp(ddp, groups)` (the documented module hook) fixes both on a constructed
-Megatron DDP: it verifies each bucket group's collective group against the mesh (swapping in
-the mesh's group object when only the object differs), checks the gradient scaling factors
+Megatron DDP: it verifies each bucket group's collective group against the mesh (a group of
+the same size over other ranks is replaced by the mesh's, with a warning: the model's MoE layers
+must use the same mesh, or expert gradients of different shards are summed), checks the gradient scaling factors
 against the averaging rule of megatron_ext.ddp.buckets, and makes every bucket group launch in
 one order (bucket groups sorted by the backward position of their parameters) shared by
 `register_grad_ready`, `start_grad_sync` and `finish_grad_sync`. `FoldingDistributedDataParallel`
@@ -29,6 +30,7 @@ stream waits on CUDA).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Mapping
 
 import torch.distributed as dist
@@ -37,6 +39,7 @@ from megatron_ext.ddp.megatron_internals import (MEGATRON_VERSION, MegatronInter
                                                  check_megatron_ddp_internals)
 from megatron_ext.ddp.plan import DENSE, EXPERT
 
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- replica groups
@@ -91,6 +94,10 @@ def install_replica_groups(ddp, dense_group, expert_group) -> list[str]:
                     f"pg_collection=ddp_pg_collection(folding_groups) or from FoldingMesh.create_groups().")
             _set_collective_group(ddp, bucket_group, group)
             report.append(f"{label} bucket group {i}: replaced ranks {have} with the mesh's {want}")
+            logger.warning("megatron_ext: Megatron's DDP reduced %s bucket group %d over ranks %s; it now reduces over "
+                           "the folding mesh's %s. Right only if the model's layers were built from the same mesh "
+                           "(otherwise build the DDP with pg_collection=ddp_pg_collection(folding_groups))",
+                           label, i, have, want)
     _check_scaling(ddp, dist.get_world_size(dense_group))
     return report
 

@@ -293,9 +293,16 @@ def _megatron_group_swap_rank(rank, world):
     fc1 = model.moe.experts.fc1_weight
     experts = local_expert_range(model.moe)
     errors = []
+    import logging
+
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("megatron_ext.ddp.megatron_hook").addHandler(handler)
     for expert_group in (folding.ep_mp_group, folding.ep_dp_group):
         report = install_replica_groups(ddp, folding.dp_cp_group, expert_group)
         assert any(line.startswith("expert") and "replaced" in line for line in report), report
+        assert warned and "now reduces over the folding mesh's" in warned.pop(), "a replaced group must be said"
         ddp.zero_grad_buffer()
         x, g = rank_tokens(rank, TOKENS, HIDDEN)
         ((ddp(x) * g).sum() / TOKENS).backward()
