@@ -22,7 +22,9 @@ tests/gpu/test_graph_runner_gpu.py, the training-shape stack run on its own). Co
 graph's temporaries are shared with another's (one set per graph per live microbatch).
 
 If capture is impossible or fails (on any rank of the EP group) the runner logs why and the
-layer stays eager; a failed capture leaves the process usable (cuda_graphs/capture.py).
+layer stays eager; a failed capture leaves the process usable (cuda_graphs/capture.py). An error
+in the eager warm-up steps before it is raised at EP > 1: the peers are then inside the warm-up's
+device barriers, waiting for this rank, and only their peer timeout ends the wait.
 The captured layer issues no NCCL work (the symm transport exchanges route counts over
 symmetric memory), so graphs never keep destroy_process_group from returning; `reset`
 drops them early where a caller wants their memory back.
@@ -42,6 +44,10 @@ from megatron_ext.cuda_graphs.main_grads import (flag_added, flagged_by, main_gr
                                                  main_grads_set_aside)
 
 logger = logging.getLogger(__name__)
+
+
+class WarmUpFailed(RuntimeError):
+    """The eager warm-up failed on this rank at EP > 1: its peers cannot be told (module docstring)."""
 
 
 def capture_blockers(layer, hidden: torch.Tensor) -> list[str]:
@@ -259,20 +265,24 @@ class GraphedMoELayer:
 
     def _capture_agreed(self, hidden: torch.Tensor) -> str | None:
         """Warm up and capture; at EP > 1 every rank learns whether all captured (init time: a sync).
-        Any error in warm-up or capture becomes this rank's reason, so its peers are told too
-        instead of waiting in the all-reduce."""
+        Any error in the capture (which waits on no peer: captured kernels do not run) becomes this
+        rank's reason, so its peers are told too instead of waiting in the all-reduce. So does an
+        error in the warm-up with one rank; at EP > 1 the warm-up's eager steps pass device
+        barriers that the peers are already waiting in, so it is raised (WarmUpFailed)."""
         pool = self._lease_pool()
         try:
             if pool is not None and pool.live:
                 raise CaptureFailed(f"{pool.live} dispatch-buffer slot(s) hold live microbatches at capture time; "
                                     f"capture needs the layer idle")
             with arena_slots.arena_untouched(arena_slots.arena_of(self.layer)):
-                self._warm_up(hidden)
+                self._warm_up_or_raise(hidden)
                 reason = transport_blocker(self.layer)
                 if reason is None:
                     self._capture(hidden)
         except CaptureFailed as error:
             reason = f"capture failed: {error}"
+        except WarmUpFailed:
+            raise
         except Exception as error:  # noqa: BLE001 (e.g. out of memory): reported and agreed on, not raised
             reason = f"warm-up or capture failed: {type(error).__name__}: {error}"
             if pool is not None:
@@ -286,6 +296,20 @@ class GraphedMoELayer:
         if reason is not None:
             self.reset()
         return reason
+
+    def _warm_up_or_raise(self, hidden: torch.Tensor) -> None:
+        try:
+            self._warm_up(hidden)
+        except Exception as error:
+            if ep_group_of(self.layer) is None:
+                raise
+            pool = self._lease_pool()
+            if pool is not None:
+                pool.release_all()
+            raise WarmUpFailed(
+                f"the CUDA-graph warm-up of this MoE layer failed on this rank ({type(error).__name__}: {error}); its "
+                f"expert-parallel peers wait in the warm-up's device barriers for this rank and stop at their peer "
+                f"timeout (--moe-ext-peer-timeout-s). Fix the cause, or turn off --moe-ext-cuda-graphs") from error
 
     def _acquire(self, hidden: torch.Tensor) -> _Slot:
         if hidden.shape != self.slots[0].input.shape or hidden.dtype != self.slots[0].input.dtype:

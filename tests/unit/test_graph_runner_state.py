@@ -1,5 +1,6 @@
 """The graph runner's host-side state on CPU (cuda_graphs/runner.py): a refused slot leaves nothing
-taken, a failed warm-up or capture becomes an agreed reason (peers are told, leases come back),
+taken, a failed capture (or one rank's failed warm-up) becomes an agreed reason (peers are told,
+leases come back) while a warm-up that fails at EP > 1 is raised (peers wait in its barriers),
 release_cuda_graphs takes Megatron's list of model chunks, and router replay blocks capture."""
 
 from types import SimpleNamespace
@@ -84,25 +85,43 @@ def test_all_slots_busy_names_the_setting():
         runner._acquire(torch.zeros(3, 4))
 
 
-@pytest.mark.parametrize("ep_group", [None, "peers"])
-def test_a_failed_warm_up_is_a_reason_every_rank_hears(monkeypatch, ep_group):
-    pool = _Pool(2)
-    runner = GraphedMoELayer(_Layer(pool), num_slots=2)
+def _failing(monkeypatch, runner, pool, phase: str, ep_group):
+    """`phase` ("_warm_up" or "_capture") runs out of memory after taking a lease; returns the all-reduces."""
     reduced = []
 
-    def warm_up_out_of_memory(sample):
-        pool.busy[0] = True  # its forward took a lease; its backward never ran
+    def out_of_memory(sample):
+        pool.busy[0] = True  # a forward took a lease; its backward never ran
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    def all_reduce(tensor, op, group):
-        reduced.append(int(tensor.item()))
-    monkeypatch.setattr(runner, "_warm_up", warm_up_out_of_memory)
+    if phase == "_capture":
+        monkeypatch.setattr(runner, "_warm_up", lambda sample: None)
+    monkeypatch.setattr(runner, phase, out_of_memory)
     monkeypatch.setattr(runner_module, "ep_group_of", lambda layer: ep_group)
-    monkeypatch.setattr(runner_module.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(runner_module.dist, "all_reduce", lambda tensor, op, group: reduced.append(int(tensor.item())))
+    return reduced
+
+
+@pytest.mark.parametrize("phase,ep_group", [("_capture", None), ("_capture", "peers"), ("_warm_up", None)])
+def test_a_failed_capture_is_a_reason_every_rank_hears(monkeypatch, phase, ep_group):
+    pool = _Pool(2)
+    runner = GraphedMoELayer(_Layer(pool), num_slots=2)
+    reduced = _failing(monkeypatch, runner, pool, phase, ep_group)
     reason = runner._capture_agreed(torch.zeros(2, 4))
     assert reason.startswith("warm-up or capture failed: OutOfMemoryError: CUDA out of memory"), reason
     assert pool.released_all and pool.busy == [False, False] and runner.slots is None
     assert reduced == ([0] if ep_group else []), "peers must learn that this rank did not capture"
+
+
+def test_a_failed_warm_up_at_ep_above_one_is_raised_not_agreed(monkeypatch):
+    """The peers ran the same eager steps and wait in a device barrier this rank never reaches; an
+    all-reduce would never complete (a review's simulation: both ranks hung)."""
+    pool = _Pool(2)
+    runner = GraphedMoELayer(_Layer(pool), num_slots=2)
+    reduced = _failing(monkeypatch, runner, pool, "_warm_up", "peers")
+    with pytest.raises(runner_module.WarmUpFailed, match=r"failed on this rank \(OutOfMemoryError: CUDA out of "
+                                                         r"memory.*peer timeout \(--moe-ext-peer-timeout-s\)"):
+        runner._capture_agreed(torch.zeros(2, 4))
+    assert reduced == [] and pool.released_all and pool.busy == [False, False]
 
 
 def test_capture_needs_an_idle_layer():
