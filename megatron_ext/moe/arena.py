@@ -121,6 +121,7 @@ class RowArena:
         self.slots: list[_Slot] = []
         self.current: _Slot | None = None
         self.world = self.rank = None
+        self.fence = None  # set by allocate
         self.order_checked = True  # off while the graph runner warms up and captures (cuda_graphs/arena_slots.py)
 
     def configure(self, max_tokens: int, topk: int) -> None:
@@ -133,16 +134,17 @@ class RowArena:
                              f"{max_tokens} x {topk} sizes {layout}, the arena was sized {self.layout}")
 
     def allocate(self, heap, world: int, rank: int, width: int, dtype: torch.dtype, device,
-                 return_ids: bool = False) -> None:
+                 return_ids: bool = False, fence=None) -> None:
         """Collective with `heap` (None: local tensors, for transports that own no symmetric memory).
-        `return_ids`: each row's return id too (the symm transport's return_transfer="put")."""
+        `return_ids`: each row's return id too (the symm transport's return_transfer="put").
+        `fence`: the transport's barrier after a debug poison fill (buffers.poison_then_fence)."""
         if self.slots:
             rows = self.slots[0].rows.local
             if rows.shape[1] != width or rows.dtype != dtype:
                 raise ValueError(f"the MoE arena holds rows of {rows.shape[1]} {rows.dtype}, a layer dispatched "
                                  f"{width} {dtype}: every layer sharing it must move the same rows")
             return
-        self.world, self.rank = world, rank
+        self.world, self.rank, self.fence = world, rank, fence
         for _ in range(self.lease_slots):
             if heap is None:
                 local = torch.empty(self.layout.rows, width, dtype=dtype, device=device)
@@ -163,7 +165,7 @@ class RowArena:
         slot.busy, slot.next_layer = True, 0
         slot.cursor_rows[0].zero_()
         if self.poison:  # unwritten rows must never be read; fenced before peers PUT
-            poison_then_fence(slot.rows)
+            poison_then_fence(slot.rows, self.fence)
         return slot
 
     def step_to(self, slot: _Slot, index: int) -> None:
@@ -253,9 +255,8 @@ class ArenaLayer:
             if torch.is_grad_enabled() and not dispatch_has_backward:
                 raise RuntimeError(
                     "the dropless arena frees a microbatch's rows in the backward of the first MoE layer's "
-                    "dispatch, and autograd skips it here: neither that layer's input nor its router needs "
-                    "gradients (frozen below the first MoE layer). Unfreeze the first MoE layer's router, run "
-                    "this forward under torch.no_grad(), or turn off --moe-ext-dropless-arena")
+                    "dispatch, and autograd would skip it: the dispatch needs no gradient. Give it one (the "
+                    "rowwise dispatcher does, moe/dispatcher.py) or run this forward under torch.no_grad()")
             arena.open()
         slot, layout = arena.current, self.layout
         if slot is None or not slot.busy:

@@ -55,10 +55,14 @@ def poison(buffer: SymmetricBuffer) -> None:
         buffer.values.fill_(float("nan"))
 
 
-def poison_then_fence(buffer: SymmetricBuffer) -> None:
-    """NaN-fill this rank's buffer, then barrier, so no peer's later PUT is wiped by the fill."""
+def poison_then_fence(buffer: SymmetricBuffer, fence=None) -> None:
+    """NaN-fill this rank's buffer, then barrier, so no peer's later PUT is wiped by the fill.
+    `fence(buffer)`: the transport's barrier, bounded by its peer timeout and named to its watchdog."""
     poison(buffer)
-    buffer.barrier()
+    if fence is None:
+        buffer.barrier()
+    else:
+        fence(buffer)
 
 
 _VALUES_ALIGN = 16  # bytes: the value array starts 16-byte aligned after the rows
@@ -162,6 +166,7 @@ class LeasePool:
     slots: list[SymmetricBuffer]
     poison: bool = False
     busy: list[bool] = field(default_factory=list)
+    fence: object = None  # the poison fill's barrier (poison_then_fence)
 
     def __post_init__(self):
         self.busy = [False] * len(self.slots)
@@ -179,7 +184,7 @@ class LeasePool:
                 f"--moe-ext-lease-slots (MoEExtConfig.lease_slots) to the number of microbatches in flight per layer")
         self.busy[slot] = True
         if self.poison:
-            poison_then_fence(self.slots[slot])  # unwritten rows must never be read
+            poison_then_fence(self.slots[slot], self.fence)  # unwritten rows must never be read
         return Lease(self, slot)
 
     def _free(self, slot: int) -> None:

@@ -109,6 +109,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
         gather_counts = getattr(self.transport, "gather_counts", None)
+        probs = self._keep_dispatch_backward(hidden, probs)
         # With the arena the plan's capacities come from the microbatch's cursor, which the plan moves.
         cursor = None if self.arena_layer is None else \
             self.arena_layer.begin_forward(dispatch_has_backward=hidden.requires_grad or probs.requires_grad)
@@ -146,7 +147,20 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         if rank is None:
             rank = self.ep_group.rank() if self.ep_size > 1 else 0
         self.arena_layer.arena.allocate(heap, world, rank, hidden.shape[-1], hidden.dtype, hidden.device,
-                                        return_ids=getattr(transport, "return_put", False))
+                                        return_ids=getattr(transport, "return_put", False),
+                                        fence=getattr(transport, "poison_fence", None))
+
+    def _keep_dispatch_backward(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The dispatch backward frees the dispatch buffer (the symm transport's lease, the arena's
+        slot) once the experts' backward has read it. With neither the input nor the router needing
+        gradients (layers below and the router frozen, the experts training) autograd would skip
+        that node and the buffer would stay taken: the probabilities then enter the dispatch as a
+        leaf that needs a gradient, so the node runs. Cost accepted in that case only: the rows'
+        gradients are computed and sent back, and dropped at the frozen input."""
+        holds_buffer = self.arena_layer is not None or getattr(self.transport, "pool", None) is not None
+        if holds_buffer and torch.is_grad_enabled() and not (hidden.requires_grad or probs.requires_grad):
+            return probs.detach().requires_grad_()
+        return probs
 
     def dispatch_postprocess(self, hidden: torch.Tensor, row_probs: torch.Tensor):
         # Counts and end offsets stay on the device. An MXFP8 payload goes with them, explicitly

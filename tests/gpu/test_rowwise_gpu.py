@@ -93,6 +93,25 @@ def test_two_live_microbatches_need_two_slots(weights):
         single(x2.clone().requires_grad_(True))
 
 
+def test_expert_only_training_frees_the_dispatch_slot(weights):
+    """Input and router frozen, experts training: autograd would skip the dispatch backward, which
+    frees the symm transport's lease (a review found the next microbatch refused). Two steps with
+    one lease slot; the experts' gradients equal those of the layer with everything training."""
+    x, g = inputs(4)
+    trained = make_layer("symm", weights)
+    run_step(trained, x, g)
+    frozen = make_layer("symm", weights, lease_slots=1)
+    frozen.router.weight.requires_grad_(False)
+    for step in range(2):
+        for p in frozen.parameters():
+            p.grad = None
+        frozen(x)[0].backward(g)  # x needs no gradient
+        assert frozen.token_dispatcher.transport.pool.live == 0, f"step {step} left its dispatch slot taken"
+    for name in ("fc1_weight", "fc2_weight"):
+        got, want = getattr(frozen.experts, name).grad, getattr(trained.experts, name).grad
+        assert torch.equal(got, want), f"{name} gradient differs with the input and router frozen"
+
+
 def capture_layer_step(layer, seed):
     """One forward+backward of `layer` captured on static inputs: a function that replays it on
     (x, grad_out) and returns (output, input grad)."""

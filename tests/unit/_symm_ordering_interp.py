@@ -175,7 +175,7 @@ def main() -> int:
     if args.unfenced_poison:  # the pre-fix behaviour: fill without ordering against peers
         from megatron_ext.moe import buffers
 
-        def unfenced(buffer):
+        def unfenced(buffer, fence=None):
             buffers.poison(buffer)
         buffers.poison_then_fence = symm.poison_then_fence = unfenced
     bad = 0

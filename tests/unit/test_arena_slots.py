@@ -82,3 +82,15 @@ def test_layers_out_of_model_order_are_refused(order, message):
     arena.free(arena.current)
     layers[0].begin_forward(True)
     assert arena.current.next_layer == 1
+
+
+def test_a_first_layer_forward_whose_dispatch_needs_no_gradient_is_refused():
+    """The slot is freed in layer 0's dispatch backward; a forward that autograd would skip it in
+    must not open one (the rowwise dispatcher gives such a dispatch a gradient first)."""
+    arena, (first, *_) = _arena()
+    with pytest.raises(RuntimeError, match="autograd would skip it"):
+        first.begin_forward(dispatch_has_backward=False)
+    assert not any(slot.busy for slot in arena.slots)
+    with torch.no_grad():
+        first.begin_forward(dispatch_has_backward=False)  # evaluation: freed at the last layer's combine
+    assert arena.current.busy

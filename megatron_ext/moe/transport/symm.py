@@ -93,7 +93,7 @@ class SymmRowTransport:
             return
         slots = [rows_with_values(self.heap, self.capacity, row_width, dtype, device, return_ids=self.return_put)
                  for _ in range(self.lease_slots)]
-        self.pool = LeasePool(slots, poison=self.poison)
+        self.pool = LeasePool(slots, poison=self.poison, fence=self.poison_fence)
 
     def _scratch(self, role: str, rows_like: torch.Tensor):
         """Shared [C, H] scratch for BF16 rows shaped like `rows_like` (combine and backward)."""
@@ -112,6 +112,10 @@ class SymmRowTransport:
         buffer.barrier(self.timeout_ms)
         if self.watchdog is not None:
             self.watchdog.record(phase)
+
+    def poison_fence(self, buffer: SymmetricBuffer) -> None:
+        """The barrier after a debug poison fill of a buffer peers PUT into (bounded and watched)."""
+        self._fence(buffer, "debug poison fence")
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """[E] int32 route counts of every EP rank -> [M, E] (this layer's table; PUT + barrier).
@@ -186,7 +190,7 @@ class SymmRowTransport:
     def combine_backward(self, grad_out: torch.Tensor, route: RouteMap) -> torch.Tensor:
         target = self._scratch("combine_grad", grad_out)
         if self.poison:  # peers PUT into this buffer next: fence the fill before them
-            poison_then_fence(target)
+            poison_then_fence(target, self.poison_fence)
         put_rows(grad_out, route.dest_rank, route.dest_row, target.peer_table, capacity=self.capacity)
         self._fence(target, "combine backward")
         return target.local
@@ -244,7 +248,7 @@ class SymmRowTransport:
         receive = self._receive_buffer(num_tokens * topk, rows)
         target = receive.buffer
         if self.poison:  # peers PUT into this buffer next: fence the fill before them
-            poison_then_fence(target)
+            poison_then_fence(target, self.poison_fence)
         put_rows_back(rows, slot.return_ids, route.recv_offsets[-1:], target.peer_table, num_tokens * topk,
                       values=None if values is None else (values, target.values_table))
         self._fence(target, phase)
