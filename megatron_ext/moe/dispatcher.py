@@ -157,7 +157,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         that node and the buffer would stay taken: the probabilities then enter the dispatch as a
         leaf that needs a gradient, so the node runs. Cost accepted in that case only: the rows'
         gradients are computed and sent back, and dropped at the frozen input."""
-        holds_buffer = self.arena_layer is not None or getattr(self.transport, "pool", None) is not None
+        holds_buffer = self.arena_layer is not None or getattr(self.transport, "leases_dispatch_buffers", False)
         if holds_buffer and torch.is_grad_enabled() and not (hidden.requires_grad or probs.requires_grad):
             return probs.detach().requires_grad_()
         return probs

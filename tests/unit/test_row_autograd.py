@@ -50,3 +50,57 @@ def test_dispatch_matches_dense_and_leaves_slot_tensors_without_history():
     torch.testing.assert_close(out.detach(), (p * s).sum(1, keepdim=True) * x)
     torch.testing.assert_close(tokens.grad, (p * s).sum(1, keepdim=True) * grad_out)
     torch.testing.assert_close(probs.grad, s * (grad_out * x).sum(1, keepdim=True))
+
+
+class _LeasingTransport(TorchRowTransport):
+    """The torch transport holding each dispatch's buffer until the dispatch backward, as the symm
+    transport's LeasePool does: `live` counts the leases taken and not released."""
+
+    leases_dispatch_buffers = True
+
+    def __init__(self, capacity: int):
+        super().__init__(None, capacity)
+        self.live = 0
+
+    def dispatch(self, tokens, probs, route_map):
+        rows, row_probs, _ = super().dispatch(tokens, probs, route_map)
+        self.live += 1
+        return rows, row_probs, "lease"
+
+    def release(self, lease) -> None:
+        self.live -= lease == "lease"
+
+
+def _frozen_router_rank(rank, world, keep_backward):
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.moe import dispatcher
+    from megatron_ext.specs import moe_builder
+    from megatron_ext.testing.megatron_moe import load_weights, moe_config
+    from megatron_ext.testing.reference import MoEWeights
+
+    dispatcher.make_transport = lambda ext_config, group, capacity, device: _LeasingTransport(capacity)
+    if not keep_backward:  # the mutation: no probability leaf for a dispatch that needs no gradient
+        dispatcher.RowwiseTokenDispatcher._keep_dispatch_backward = lambda self, hidden, probs: probs
+    grads, live = [], []
+    for frozen in (False, True):
+        layer = moe_builder(MoEExtConfig(transport="torch"))(config=moe_config(hidden=16, ffn=8, experts=4, topk=2,
+                                                                                ep=1))
+        load_weights(layer, MoEWeights.random(4, 16, 8, seed=5))
+        layer.router.weight.requires_grad_(not frozen)
+        x = torch.randn(12, 1, 16, generator=torch.Generator().manual_seed(1), requires_grad=not frozen)
+        layer(x)[0].square().sum().backward()
+        live.append(layer.token_dispatcher.transport.live)
+        grads.append([layer.experts.fc1_weight.grad, layer.experts.fc2_weight.grad])
+    return live, all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_dispatch_that_needs_no_gradient_still_releases_its_lease():
+    """Expert-only training (input and router frozen): autograd would skip the dispatch backward,
+    which releases a leasing transport's buffer; the experts' gradients are those of the layer with
+    everything training. Without the dispatcher's probability leaf the lease stays taken."""
+    from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+    (live, equal), = run_on_ranks(_frozen_router_rank, 1, True, sizes=ParallelSizes())
+    assert live == [0, 0] and equal, (live, equal)
+    (live, _), = run_on_ranks(_frozen_router_rank, 1, False, sizes=ParallelSizes())
+    assert live == [0, 1], "the mutation is not caught"

@@ -50,6 +50,7 @@ _PHASE_OF_ROLE = {"combine_source": "combine", "dispatch_grad": "dispatch backwa
 
 class SymmRowTransport:
     reads_row_source = False  # its kernels need no per-row writer (route maps leave it None)
+    leases_dispatch_buffers = True  # a dispatch slot stays taken until the dispatch backward (LeasePool)
 
     def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False,
                  heap: SymmetricHeap | None = None, rank: int | None = None, world: int | None = None,
