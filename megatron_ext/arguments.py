@@ -95,7 +95,8 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "--moe-ext-capacity-factor); the rest of the budget is the area loads above it spill into."),
     ExtFlag("max_tokens_per_rank", "--moe-ext-max-tokens-per-rank", "value", type=int, metavar="T_MAX",
             help="Tokens a rank holds in one microbatch (T_max). Default: fixed from the first "
-                 "microbatch's shape, which is static in Megatron training.", default_text="auto (first microbatch)"),
+                 "microbatch's shape, which is static in Megatron training (the largest of the EP group's: one "
+                 "all-reduce at each MoE layer's first forward).", default_text="auto (first microbatch)"),
     ExtFlag("mxfp8_dispatch", "--moe-ext-mxfp8-dispatch", "on",
             help="Carry dispatched rows as MXFP8 (E4M3 + one E8M0 scale per 32 values); needs "
                  "--moe-ext-dispatcher rowwise and a hidden size divisible by 32."),

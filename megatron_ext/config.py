@@ -53,7 +53,8 @@ class MoEExtConfig:
     arena_region_factor: rows of each layer's own region in the arena, in T_max * K units (at most
         capacity_factor); the rest of the budget is the shared area that loads above it spill into.
     max_tokens_per_rank: T_max, the static number of tokens a rank holds in one microbatch;
-        None fixes it from the first forward's input shape (static in Megatron training).
+        None fixes it from the first forward's input shape (static in Megatron training), the
+        largest of the EP group's (one all-reduce at each layer's first forward).
     mxfp8_dispatch: carry dispatched rows as MXFP8 (E4M3 + E8M0 per 32 values).
     cuda_graphs: capture the whole MoE layer (forward and backward) in CUDA graphs.
     ddp_buckets: use megatron_ext's multi-group gradient buckets.

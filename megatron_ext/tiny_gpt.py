@@ -11,7 +11,7 @@ all ranks.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,8 @@ def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | 
 
     from megatron_ext.ddp.buckets import MultiGroupGradBuckets, groups_from_parallel_state
 
+    if ext_config is not None and ext_config.max_tokens_per_rank is None:  # the loop's static shape, known here:
+        ext_config = replace(ext_config, max_tokens_per_rank=cfg.seq_len * cfg.micro_batch)  # no agreement needed
     model = build_model(cfg, ext_config, spec_kind)
     if ext_config is not None and ext_config.dropless_arena:
         from megatron_ext.moe.arena import attach_arenas

@@ -65,8 +65,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         return self.transport.capacity
 
     def _ensure_transport(self, num_tokens: int, device: torch.device) -> None:
-        if self.max_tokens is None:
-            self.max_tokens = num_tokens  # static in Megatron training: every microbatch has this shape
+        if self.max_tokens is None:  # static in Megatron training: every microbatch has this shape
+            self.max_tokens = self._agreed_max_tokens(num_tokens, device)
         if num_tokens > self.max_tokens:
             raise ValueError(
                 f"this rank holds {num_tokens} tokens in a microbatch but the rowwise MoE capacity was "
@@ -81,6 +81,17 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
             self.transport = make_transport(self.ext_config, self.ep_group, capacity, device)
             if self.arena_layer is not None:
                 self.transport.slot_source = self.arena_layer.lease
+
+    def _agreed_max_tokens(self, num_tokens: int, device: torch.device) -> int:
+        """T_max from the first microbatch, the largest of the EP group's: every rank's capacity,
+        hence its buffers, collective allocations and exchange sizes, must agree (ranks whose first
+        microbatches differ in size would otherwise fail in their first exchange). One all-reduce,
+        at the layer's first forward only (init time, not a step's)."""
+        if self.ep_size == 1:
+            return num_tokens
+        largest = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+        return int(largest.item())
 
     def _arena_capacity(self) -> int:
         if self.arena_layer is None:

@@ -206,3 +206,34 @@ def _pinned_rank(rank, world, case):
 def test_pinned_host_threads_change_no_result():
     """pin_host_threads: the layer's results are the oracle's, and the thread that ran it is on one core."""
     run_on_ranks(_pinned_rank, 2, Case(experts=4, tokens=12), sizes=ParallelSizes(ep=2))
+
+
+def _uneven_first_microbatch_rank(rank, world):
+    """Rank r's first microbatch has 16 >> r tokens: T_max is agreed at the first forward (one
+    all-reduce), so every rank sizes the same capacity, exactly as with max_tokens_per_rank=16."""
+    from megatron_ext.sync_audit import count_host_syncs
+
+    results = []
+    for ext in ({}, {"max_tokens_per_rank": 16}):
+        layer = build_rowwise(moe_config(hidden=16, ffn=8, experts=4, topk=2, ep=world), **ext)
+        load_weights(layer, MoEWeights.random(4, 16, 8, seed=5))
+        outs = []
+        for step, tokens in enumerate((16 >> rank, 16 >> (world - 1 - rank))):
+            x = torch.randn(tokens, 1, 16, generator=torch.Generator().manual_seed(10 * step + rank),
+                            requires_grad=True)
+            with count_host_syncs() as audit:
+                out = layer(x)[0]
+            out.square().sum().backward()
+            outs.append((out.detach(), x.grad, audit.count))
+        results.append((layer.token_dispatcher.capacity, outs))
+    return results
+
+
+def test_ranks_whose_first_microbatches_differ_agree_on_the_capacity():
+    """Before, each rank sized its buffers from its own first microbatch, and the first exchange
+    failed (gloo: a collective size mismatch) or, on GPUs, peers' rows would not fit."""
+    for (agreed, got), (fixed, want) in run_on_ranks(_uneven_first_microbatch_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert agreed == fixed
+        for (out, grad, syncs), (want_out, want_grad, want_syncs) in zip(got, want):
+            assert torch.equal(out, want_out) and torch.equal(grad, want_grad)
+        assert [s for *_, s in got] == [1, 0] and [s for *_, s in want] == [0, 0], "one agreement, at the first forward"
