@@ -78,7 +78,8 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
             else:
                 capacity = rank_capacity(self.max_tokens, self.topk, self.ep_size,
                                          self.ext_config.capacity_factor, self.ext_config.dropless)
-            self.transport = make_transport(self.ext_config, self.ep_group, capacity, device)
+            self.transport = make_transport(self.ext_config, self.ep_group, capacity, device,
+                                            max_routes=self.max_tokens * self.topk)
             if self.arena_layer is not None:
                 self.transport.slot_source = self.arena_layer.lease
 

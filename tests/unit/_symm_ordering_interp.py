@@ -65,10 +65,15 @@ PUT_RETURN_CASES = {
     "put_cf1.25_two_mb_reversed_late_rank0": (2, 1.25, 2, "F0 F1 B1 B0", True, "late0", 6),
     "put_ep4_cf1.0_poison_late_rank1": (4, 1.0, 1, "F0 B0", True, "late1", 4),
     "put_cf1.0_one_mb_late_rank1": (2, 1.0, 1, "F0 B0", False, "late1", 4),  # no poison barrier to hide behind
+    "put_uneven_tokens_two_mb_poison": (2, 1.25, 2, "F0 F1 B1 B0", True, "random", 8),
 }
+# Rank r holds TOKENS - 3 * r tokens in every microbatch (T_max = TOKENS sizes every rank's buffers):
+# a put-back bounded by the owner's own T * K dropped a larger source's routes past it.
+UNEVEN_CASES = {"put_uneven_tokens_two_mb_poison", "cf1.25_uneven_tokens_two_mb_poison"}
+CASES["cf1.25_uneven_tokens_two_mb_poison"] = (2, 1.25, 2, "F0 F1 B1 B0", True, "random", 8)
 
 
-def step_inputs(world: int, step: int, mb: int, rank: int):
+def step_inputs(world: int, step: int, mb: int, rank: int, tokens: int = TOKENS):
     """Fresh routes and values for (step, microbatch, rank): skewed towards expert 0 half the time."""
     gen = torch.Generator().manual_seed(1000 * step + 10 * mb + rank)
     num_experts = EXPERTS_PER_RANK * world
@@ -76,11 +81,11 @@ def step_inputs(world: int, step: int, mb: int, rank: int):
     if (step + mb) % 2:
         weights[0] = 4.0 * num_experts  # a hot expert: drops at cf 1.0
     top_idx = torch.stack([torch.multinomial(weights, TOPK, replacement=False, generator=gen)
-                           for _ in range(TOKENS)]).sort(1).values
-    tokens = torch.randn(TOKENS, HIDDEN, generator=gen)
-    probs = torch.rand(TOKENS, TOPK, generator=gen)
-    grad_out = torch.randn(TOKENS, HIDDEN, generator=gen)
-    return top_idx, tokens, probs, grad_out
+                           for _ in range(tokens)]).sort(1).values
+    rows = torch.randn(tokens, HIDDEN, generator=gen)
+    probs = torch.rand(tokens, TOPK, generator=gen)
+    grad_out = torch.randn(tokens, HIDDEN, generator=gen)
+    return top_idx, rows, probs, grad_out
 
 
 def fused_route_map(top_idx, probs, num_experts, capacity, transport, rank):
@@ -93,11 +98,13 @@ def fused_route_map(top_idx, probs, num_experts, capacity, transport, rank):
                               ep_rank=rank, need_row_source=False)
 
 
-def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fused=False, return_put=False):
+def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fused=False, return_put=False,
+              uneven=False):
     num_experts = EXPERTS_PER_RANK * world
     capacity = rank_capacity(TOKENS, TOPK, world, cf, False)
-    transport = SymmRowTransport(None, capacity, lease_slots=slots, poison=poison,
-                                 heap=PEERS.heap(rank), rank=rank, world=world, return_put=return_put)
+    transport = SymmRowTransport(None, capacity, lease_slots=slots, poison=poison, heap=PEERS.heap(rank), rank=rank,
+                                 world=world, return_put=return_put, max_routes=TOKENS * TOPK)
+    my_tokens = TOKENS - 3 * rank if uneven else TOKENS
     rng = random.Random(seed * 97 + rank)
     failures, dropped = [], 0
 
@@ -108,7 +115,7 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
         for kind, mb in schedule_events(schedule):
             wait()
             if kind == "F":
-                top_idx, tokens, probs, _ = step_inputs(world, step, mb, rank)
+                top_idx, tokens, probs, _ = step_inputs(world, step, mb, rank, my_tokens)
                 if fused:
                     rmap = fused_route_map(top_idx, probs, num_experts, capacity, transport, rank)
                 else:
@@ -122,7 +129,7 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
                 live[mb] = (rmap, lease, slot, slot_probs, valid, at_dispatch, out.clone())
             else:
                 rmap, lease, slot, slot_probs, valid, at_dispatch, out = live.pop(mb)
-                top_idx, tokens, probs, grad_out = step_inputs(world, step, mb, rank)
+                top_idx, tokens, probs, grad_out = step_inputs(world, step, mb, rank, my_tokens)
                 kept = (rmap.dest_row >= 0).float()
                 dropped += int((rmap.dest_row < 0).sum())
                 weight = (kept * probs).sum(1, keepdim=True)
@@ -150,7 +157,8 @@ def run_case(name: str, seed: int = 0):
     fused, return_put = name in FUSED_CASES, name in PUT_RETURN_CASES
     world, cf, slots, schedule, poison, delay, steps = {**CASES, **FUSED_CASES, **PUT_RETURN_CASES}[name]
     PEERS = ThreadedPeers(world)
-    results = PEERS.run(rank_main, world, cf, slots, schedule, poison, delay, steps, seed, fused, return_put)
+    results = PEERS.run(rank_main, world, cf, slots, schedule, poison, delay, steps, seed, fused, return_put,
+                        name in UNEVEN_CASES)
     failures = [f for rank_failures, _ in results for f in rank_failures]
     dropped = sum(d for _, d in results)
     return failures, dropped, PEERS.barriers_passed

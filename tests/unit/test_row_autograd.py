@@ -78,7 +78,7 @@ def _frozen_router_rank(rank, world, keep_backward):
     from megatron_ext.testing.megatron_moe import load_weights, moe_config
     from megatron_ext.testing.reference import MoEWeights
 
-    dispatcher.make_transport = lambda ext_config, group, capacity, device: _LeasingTransport(capacity)
+    dispatcher.make_transport = lambda ext_config, group, capacity, device, **_: _LeasingTransport(capacity)
     if not keep_backward:  # the mutation: no probability leaf for a dispatch that needs no gradient
         dispatcher.RowwiseTokenDispatcher._keep_dispatch_backward = lambda self, hidden, probs: probs
     grads, live = [], []

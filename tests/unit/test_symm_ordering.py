@@ -15,7 +15,7 @@ from tests.unit.interpreter import REPO, run_under_interpreter
 
 def test_symm_phases_are_ordered_on_simulated_ranks():
     out = run_under_interpreter("_symm_ordering_interp.py", timeout=300)
-    assert out.count("\nok ") + out.startswith("ok ") == 6, out
+    assert out.count("\nok ") + out.startswith("ok ") == 7, out
 
 
 def test_unfenced_poison_is_caught():
@@ -39,7 +39,7 @@ def test_put_return_phases_are_ordered_on_simulated_ranks():
     simulated ranks with poison and a late rank: outputs, token and probability gradients exact."""
     proc = _run_put_return()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok put_") == 4, proc.stdout
+    assert proc.stdout.count("ok put_") == 5, proc.stdout
 
 
 def test_put_return_without_its_barrier_is_caught():

@@ -41,8 +41,9 @@ def resolve_transport(choice: str, group, device: torch.device) -> str:
     return choice
 
 
-def make_transport(ext_config, group, capacity: int, device: torch.device):
-    """Build the configured transport for one layer's EP group and static capacity."""
+def make_transport(ext_config, group, capacity: int, device: torch.device, max_routes: int | None = None):
+    """Build the configured transport for one layer's EP group and static capacity (`max_routes`:
+    T_max * K, which sizes the symm transport's receive buffers with return_transfer="put")."""
     choice = resolve_transport(ext_config.transport, group, device)
     if ext_config.return_transfer == "put" and choice != "symm":
         raise ValueError(f"return_transfer='put' is a mode of the symm transport, but transport="
@@ -55,7 +56,8 @@ def make_transport(ext_config, group, capacity: int, device: torch.device):
         from megatron_ext.moe.transport.symm import SymmRowTransport
 
         return SymmRowTransport(group, capacity, lease_slots=ext_config.lease_slots, poison=ext_config.debug_poison,
-                                timeout_s=timeout_s, return_put=ext_config.return_transfer == "put")
+                                timeout_s=timeout_s, return_put=ext_config.return_transfer == "put",
+                                max_routes=max_routes)
     if choice == "deepep":
         from megatron_ext.moe.transport.deepep import DeepEPRowTransport
 

@@ -5,17 +5,17 @@ and the dispatch backward (the rows' gradients and probability gradients). With 
 at EP > 1 each first copies the owner's rows into symmetric scratch (torch._grouped_mm writes a
 fresh tensor that peers cannot address), barriers, then every source reads its routes' rows from
 the owners. Here the dispatch PUT also leaves each row's return id (route * M + source rank) next
-to it in the owner's slot; the owner writes each row straight into its source's [T*K, H] receive
+to it in the owner's slot; the owner writes each row straight into its source's [T_max*K, H] receive
 buffer at the row of its route (`put_rows_back`), barriers, and each source sums its K routes
 locally (get_rows over a one-entry table of its own buffer, in the same fp32 order as the GET).
 
 Cost removed: the copy of the received rows into scratch in each of the two phases, and the
 remote half of the traffic moves as a PUT, the faster NVLink direction on two H200s (PUT kernel
-81% of 450 GB/s, GET kernel 75%, GET phase with its copy 54%). Cost accepted: a [T*K, H] symmetric
-receive buffer shared by the layers (in place of the [C, H] scratch, which this mode does not
-allocate), a local read of T*K rows for the sum, 4 bytes per dispatch row, and one more kernel
-launch per phase. Needs the same token count on every EP rank (the receive buffers are one
-symmetric allocation), as Megatron's microbatches have.
+81% of 450 GB/s, GET kernel 75%, GET phase with its copy 54%). Cost accepted: a [T_max*K, H]
+symmetric receive buffer shared by the layers (in place of the [C, H] scratch, which this mode
+does not allocate), a local read of T*K rows for the sum, 4 bytes per dispatch row, and one more
+kernel launch per phase. The buffer is sized from T_max (one symmetric allocation, the same on
+every rank), so ranks may hold different token counts in a microbatch, as with the GET.
 """
 
 from __future__ import annotations

@@ -54,10 +54,12 @@ class SymmRowTransport:
 
     def __init__(self, group, capacity: int, lease_slots: int = 1, poison: bool = False,
                  heap: SymmetricHeap | None = None, rank: int | None = None, world: int | None = None,
-                 timeout_s: float | None = None, return_put: bool = False):
+                 timeout_s: float | None = None, return_put: bool = False, max_routes: int | None = None):
         """`heap`, `rank` and `world` replace the process group's (simulated peers in tests).
         `timeout_s` bounds every device barrier (moe/peer_failure.py); None: unbounded.
-        `return_put`: combine and dispatch backward return rows by PUT (transport/put_return.py)."""
+        `return_put`: combine and dispatch backward return rows by PUT (transport/put_return.py).
+        `max_routes`: T_max * K, the rows of every rank's receive buffer in that mode (None: this
+        rank's T * K at its first return, for callers whose ranks all hold T tokens)."""
         # The kernel's own bound is a backstop at twice the watchdog's, so the watchdog's message
         # (phase and group) comes first; a trapped barrier would only say "unspecified launch failure".
         self.timeout_ms = 0 if timeout_s is None else max(1, int(2 * timeout_s * 1000))
@@ -77,7 +79,7 @@ class SymmRowTransport:
         self.slot_source = None  # a callable returning the dispatch slot's lease instead of the pool (moe/arena.py)
         self._values_scratch: dict[tuple, SymmetricBuffer] = {}
         self._counts: SymmetricBuffer | None = None
-        self.return_put = return_put
+        self.return_put, self.max_routes = return_put, max_routes
         # return_put: per dispatched route map, its slot (the rows' return ids), dropped with the
         # route map, as DeepEP's per-route state is (transport/deepep.py); the receive buffers
         self._returns: dict[int, SymmetricBuffer] = {}
@@ -246,11 +248,15 @@ class SymmRowTransport:
             raise RuntimeError(f"symm transport: {phase} for a route map this transport never dispatched; the "
                                f"rows' return ids come from dispatch(tokens, probs, route) of the same map")
         num_tokens, topk = route.dest_rank.shape
-        receive = self._receive_buffer(num_tokens * topk, rows)
+        if self.max_routes is not None and num_tokens * topk > self.max_routes:
+            raise ValueError(f"symm transport: {num_tokens} x {topk} routes, but the receive buffers hold "
+                             f"max_routes={self.max_routes}")
+        routes = self.max_routes or num_tokens * topk  # the same on every rank: one symmetric allocation
+        receive = self._receive_buffer(routes, rows)
         target = receive.buffer
         if self.poison:  # peers PUT into this buffer next: fence the fill before them
             poison_then_fence(target, self.poison_fence)
-        put_rows_back(rows, slot.return_ids, route.recv_offsets[-1:], target.peer_table, num_tokens * topk,
+        put_rows_back(rows, slot.return_ids, route.recv_offsets[-1:], target.peer_table, routes,
                       values=None if values is None else (values, target.values_table))
         self._fence(target, phase)
         return sum_returned(receive, route, self.world, self.capacity, values is not None)
