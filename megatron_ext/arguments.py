@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from megatron_ext.cuda_graphs.schedule import live_microbatches
 from megatron_ext.config import DISPATCHERS, OVERFLOW_POLICIES, RETURN_TRANSFERS, ROUTER_GEMMS, TRANSPORTS, MoEExtConfig
-from megatron_ext.rules import (ExpertSettings, arena_args_problems, expert_problems, graph_runner_clash, moe_problems,
-                                rowwise_problems)
+from megatron_ext.rules import (MXFP8_PROBS_ON_INPUT, ExpertSettings, arena_args_problems, expert_problems,
+                                graph_runner_clash, moe_problems, rowwise_problems)
 
 GROUP_TITLE = "megatron_ext MoE"
 DEST_PREFIX = "moe_ext_"
@@ -309,6 +309,8 @@ def _expert_conflicts(args) -> list[str]:
                      for problem in expert_problems(settings)]
     if getattr(args, "moe_ext_dropless_arena", False):
         problems += arena_args_problems(args)
+    if getattr(args, "moe_ext_mxfp8_dispatch", False) and getattr(args, "moe_apply_probs_on_input", False):
+        problems.append(MXFP8_PROBS_ON_INPUT)
     variant = getattr(args, "experimental_attention_variant", None)
     if variant is not None and getattr(args, "spec", None) is None:
         problems.append(f"--experimental-attention-variant {variant} with --num-experts: megatron_ext's layer specs "

@@ -301,6 +301,12 @@ ARENA_PROBS_ON_INPUT = ("moe_apply_probs_on_input (--moe-apply-probs-on-input) s
                         "dropless arena does not hold: drop one of it and --moe-ext-dropless-arena")
 
 
+# Why the probabilities cannot scale the rows' copy under MXFP8 payloads (moe/layer.py, the launcher).
+MXFP8_PROBS_ON_INPUT = ("moe_apply_probs_on_input (--moe-apply-probs-on-input) scales the experts' input rows, and "
+                        "with --moe-ext-mxfp8-dispatch fc1 reads the MXFP8 payload instead of those rows (the "
+                        "probabilities would be dropped): drop one of the two")
+
+
 def arena_args_problems(args) -> list[str]:
     """The launcher's early form of the experts' arena check (sizes are left to the layer's)."""
     problems = []

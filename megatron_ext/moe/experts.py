@@ -40,8 +40,8 @@ from megatron_ext.moe.expert_wgrad import grouped_linear
 from megatron_ext.moe.expert_rows import RowGroups, row_bias, row_experts, valid_row_mask
 from megatron_ext.moe.mxfp8_dispatch import payload_fc1
 from megatron_ext.quiet import warn_once
-from megatron_ext.rules import (ARENA_NEEDS_FAST_PATH, ARENA_PROBS_ON_INPUT, ExpertSettings, expert_problems,
-                                moe_problems)
+from megatron_ext.rules import (ARENA_NEEDS_FAST_PATH, ARENA_PROBS_ON_INPUT, MXFP8_PROBS_ON_INPUT, ExpertSettings,
+                                expert_problems, moe_problems)
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,8 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
                                       self.recompute_activation, arena, self.wgrad_fusion)
         if probs is not None:
             if self.config.moe_apply_probs_on_input:  # as SequentialMLP: (p * x).to(x.dtype), then p = 1
+                if payload is not None:  # fc1 reads the payload, not these rows (RowwiseMoELayer refuses it first)
+                    raise ValueError(MXFP8_PROBS_ON_INPUT)
                 hidden = (probs.reshape(-1, 1) * hidden).to(hidden.dtype)
                 probs = None
             else:

@@ -20,7 +20,8 @@ from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
-from megatron_ext.rules import ExpertSettings, expert_problems, graph_runner_clash, moe_problems, rowwise_problems
+from megatron_ext.rules import (MXFP8_PROBS_ON_INPUT, ExpertSettings, expert_problems, graph_runner_clash, moe_problems,
+                                rowwise_problems)
 
 def check_megatron_config(config, ext_config: MoEExtConfig | None = None) -> None:
     """Refuse TransformerConfig settings the rowwise layer cannot run with (megatron_ext.rules)."""
@@ -55,6 +56,8 @@ class RowwiseMoELayer(MoELayer):
             raise TypeError(f"RowwiseMoELayer feeds capacity buffers with device offsets to its experts; "
                             f"{type(self.experts).__name__} cannot read them. Build the layer from "
                             f"megatron_ext.specs (experts=DeviceOffsetGroupedMLP).")
+        if ext_config.mxfp8_dispatch and config.moe_apply_probs_on_input:
+            raise ValueError(MXFP8_PROBS_ON_INPUT)
         if ext_config.dropless_arena and self.experts.arena_problems():
             raise ValueError("dropless_arena: the experts cannot keep their rows in the arena:\n  - "
                              + "\n  - ".join(self.experts.arena_problems()))

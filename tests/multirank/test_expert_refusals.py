@@ -66,3 +66,27 @@ def test_cpu_offloading_is_refused_from_megatrons_args_and_from_a_config():
         problems = expert_problems(ExpertSettings.from_args(settings))
         assert len(problems) == 1 and problems[0].startswith("cpu_offloading (--cpu-offloading-num-layers"), problems
     assert expert_problems(ExpertSettings.from_args(Namespace(cpu_offloading_num_layers=0))) == []
+
+
+def _mxfp8_probs_on_input_rank(rank, world):
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.specs import moe_builder
+
+    config = moe_config(hidden=32, ffn=16, experts=4, topk=1, ep=1, moe_apply_probs_on_input=True,
+                        moe_router_pre_softmax=True)
+    moe_builder(MoEExtConfig(transport="torch"))(config=config)  # without MXFP8: built
+    try:
+        moe_builder(MoEExtConfig(transport="torch", mxfp8_dispatch=True))(config=config)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_probabilities_on_the_input_with_mxfp8_payloads_are_refused():
+    """fc1 reads the MXFP8 payload, not the probability-scaled copy of the rows: a review saw the
+    probabilities dropped (output unscaled, the router's gradient from the experts zero)."""
+    from megatron_ext.rules import MXFP8_PROBS_ON_INPUT
+
+    (message,) = run_on_ranks(_mxfp8_probs_on_input_rank, 1, sizes=ParallelSizes())
+    assert message == MXFP8_PROBS_ON_INPUT
+    assert "--moe-apply-probs-on-input" in message and "--moe-ext-mxfp8-dispatch" in message

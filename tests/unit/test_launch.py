@@ -274,3 +274,10 @@ def test_the_replica_check_is_refused_where_parameters_are_gathered_in_the_next_
     with pytest.raises(launch.MoEExtArgumentError, match="--moe-ext-replica-check-interval with "
                                                          "--overlap-param-gather: .*drop one of the two"):
         parse_with(hooked, model + check + ["--overlap-param-gather"])
+
+
+def test_probabilities_on_the_input_with_mxfp8_payloads_are_refused_at_start_up(hooked):
+    flags = [*MOE_MODEL, "--moe-router-topk", "1", "--moe-apply-probs-on-input", "--hidden-size", "64"]
+    parse_with(hooked, flags)
+    with pytest.raises(launch.MoEExtArgumentError, match="with --moe-ext-mxfp8-dispatch fc1 reads the MXFP8 payload"):
+        parse_with(hooked, flags + ["--moe-ext-mxfp8-dispatch"])
