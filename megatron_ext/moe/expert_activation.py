@@ -20,8 +20,11 @@ backward GEMMs stop at the last offset), so results do not depend on them; the c
 the probabilities of tail rows so their gradient is defined (zero), as the kernel's is. Cost
 accepted: (cf - 1) / cf extra elementwise work on capacity buffers (none under Megatron's
 dispatchers, whose buffers have no tail).
-`bias_activation_fusion` only picks Megatron's fused kernels, which its experts accept for
-SwiGLU and quick-GEGLU and which compute the same formula; it is ignored here.
+`bias_activation_fusion` picks Megatron's fused kernels, which its experts accept for SwiGLU and
+quick-GEGLU. They compute the same formula with one exception, followed here: the weighted
+quick-GEGLU kernel (`weighted_bias_quick_geglu_impl`, what SequentialMLP and TEGroupedMLP run
+with router probabilities) clamps fc1's output before it adds the bias, clamp(x) + b instead of
+clamp(x + b) (`clamps_before_bias`).
 """
 
 from __future__ import annotations
@@ -41,11 +44,27 @@ class ExpertActivation:
     gated: bool
     clamp: float | None = None
     offset: float = 0.0
+    clamps_before_bias: bool = False  # Megatron's fused weighted quick-GEGLU (module docstring)
 
     @staticmethod
     def from_config(config) -> "ExpertActivation":
-        return ExpertActivation(func=config.activation_func, gated=bool(config.gated_linear_unit),
-                                clamp=config.activation_func_clamp_value, offset=float(config.glu_linear_offset))
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        gated, clamp = bool(config.gated_linear_unit), config.activation_func_clamp_value
+        return ExpertActivation(func=config.activation_func, gated=gated, clamp=clamp,
+                                offset=float(config.glu_linear_offset),
+                                clamps_before_bias=bool(config.bias_activation_fusion) and gated and clamp is not None
+                                and config.activation_func is quick_gelu)
+
+    def clamped(self, x: torch.Tensor) -> torch.Tensor:
+        """fc1's output with the gated clamp applied (gate: at most c; up: within [-c, c])."""
+        return torch.cat(self._halves(x), -1)
+
+    def _halves(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+        if self.clamp is None:
+            return x_glu, x_linear
+        return x_glu.clamp(min=None, max=self.clamp), x_linear.clamp(min=-self.clamp, max=self.clamp)
 
     @property
     def plain_swiglu(self) -> bool:
@@ -66,10 +85,7 @@ class ExpertActivation:
 
     def _torch(self, x, probs):
         if self.gated:
-            x_glu, x_linear = torch.chunk(x, 2, dim=-1)
-            if self.clamp is not None:
-                x_glu = x_glu.clamp(min=None, max=self.clamp)
-                x_linear = x_linear.clamp(min=-self.clamp, max=self.clamp)
+            x_glu, x_linear = self._halves(x)
             y = self.func(x_glu) * (x_linear + self.offset)
         else:
             y = self.func(x)

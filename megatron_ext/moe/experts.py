@@ -26,6 +26,7 @@ Written against megatron-core 0.19.2.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
@@ -229,10 +230,13 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         valid_rows, rows = offsets[-1], h.shape[0]
         if probs is not None:  # tail probabilities (never read) get a defined, zero gradient
             probs = torch.where(valid_row_mask(valid_rows, rows), probs, 0)
+        activation = self.activation
         if fc1_bias is not None:  # add_bias_linear: fc1 and fc2 biases come together
             experts = row_experts(offsets, rows)
+            if activation.clamps_before_bias and probs is not None:  # Megatron's fused kernel: clamp(x) + b
+                h, activation = activation.clamped(h), dataclasses.replace(activation, clamp=None)
             h = h + row_bias(fc1_bias, offsets, experts)
-        out = self._fc2(self.activation, (h, valid_rows, probs), fc2, offsets)
+        out = self._fc2(activation, (h, valid_rows, probs), fc2, offsets)
         if fc2_bias is not None:  # as SequentialMLP's MLP.forward: output += bias * per_token_scale
             bias = row_bias(fc2_bias, offsets, experts)
             if probs is not None:

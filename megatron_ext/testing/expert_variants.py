@@ -40,6 +40,9 @@ def variants() -> dict[str, dict]:
         # gpt-oss style: clamped quick-GEGLU with a linear offset and biases (clamp small enough to bite)
         "quick_geglu_clamped": dict(activation_func=quick_gelu, activation_func_clamp_value=0.5,
                                     glu_linear_offset=1.0, add_bias_linear=True),
+        # the same under Megatron's fused weighted kernel (--quick-geglu's default): clamp(x) + b, not clamp(x + b)
+        "quick_geglu_clamped_fused": dict(activation_func=quick_gelu, activation_func_clamp_value=0.5,
+                                          glu_linear_offset=1.0, add_bias_linear=True, bias_activation_fusion=True),
         "probs_on_input": dict(plain, activation_func=F.gelu, add_bias_linear=True, moe_apply_probs_on_input=True),
     }
 
