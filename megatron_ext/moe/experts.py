@@ -263,5 +263,11 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         """Weight gradients are computed in the main backward (no delayed wgrad)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """SequentialMLP's global keys and shapes (moe/expert_checkpoint.py)."""
+        """SequentialMLP's global keys and shapes (moe/expert_checkpoint.py). Megatron's
+        `singleton_local_shards` layout (one key per expert, fc1 split into gate and up; megatron.training
+        0.19.2 never asks for it) is refused rather than written in the other layout."""
+        if (metadata or {}).get("singleton_local_shards"):
+            raise NotImplementedError("the grouped experts write SequentialMLP's stacked expert layout; a "
+                                      "checkpoint with metadata singleton_local_shards=True (one key per expert) "
+                                      "is not supported: save with singleton_local_shards=False")
         return sharded_state_dict(self, prefix, sharded_offsets)

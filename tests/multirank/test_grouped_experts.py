@@ -184,3 +184,17 @@ def _plain_state_dict_rank(rank, world):
 
 def test_loads_plain_sequential_mlp_state_dict():
     run_on_ranks(_plain_state_dict_rank, 1, sizes=ParallelSizes())
+
+
+def _singleton_rank(rank, world):
+    experts = DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2))
+    stacked = experts.sharded_state_dict("experts.", metadata={})["experts.fc1_weight"]
+    assert stacked.key == "experts.experts.linear_fc1.weight"
+    with pytest.raises(NotImplementedError, match="singleton_local_shards=True"):
+        experts.sharded_state_dict("experts.", metadata={"singleton_local_shards": True})
+
+
+def test_the_singleton_local_shards_layout_is_refused_not_written_in_the_other_one():
+    """SequentialMLP writes one key per expert with it (a review: loading such a checkpoint into the
+    grouped experts failed with a KeyError naming the missing stacked key)."""
+    run_on_ranks(_singleton_rank, 1, sizes=ParallelSizes())
