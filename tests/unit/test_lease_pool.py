@@ -60,3 +60,13 @@ def test_rows_with_values_share_one_allocation_without_overlap(width, dtype):
     pool = LeasePool([slot], poison=True)
     pool.acquire()
     assert slot.local.isnan().all() and slot.values.isnan().all()
+
+
+def test_a_poisoned_slot_is_fenced_by_the_transports_barrier():
+    """The fill's barrier is the transport's (bounded by the peer timeout and named to its watchdog,
+    SymmRowTransport.poison_fence), and it runs after the fill: peers PUT only after it."""
+    seen = []
+    pool = make_pool(1, poison=True)
+    pool.fence = lambda buffer: seen.append((buffer is pool.slots[0], bool(buffer.local.isnan().all())))
+    pool.acquire()
+    assert seen == [(True, True)]
