@@ -28,13 +28,17 @@ from megatron_ext.moe.transport import make_transport
 
 
 def routing_map_to_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
-    """[T, E] bool with K selected experts per token -> [T, K] int64 ids in ascending order.
+    """[T, E] bool with K selected experts per token -> [T, K] int64 ids in ascending order; a
+    token with fewer than K selected gets -1 in its last slots (as the fused select does), not
+    experts it did not pick.
 
     Ascending order makes the (t, k) order, and with it "earlier routes win" inside a bucket,
     deterministic on every device.
     """
-    selected = torch.topk(routing_map.to(torch.float32), topk, dim=1, sorted=False).indices
-    return torch.sort(selected, dim=1).values
+    picked, ids = torch.topk(routing_map.to(torch.float32), topk, dim=1, sorted=False)
+    num_experts = routing_map.shape[1]
+    ids = torch.sort(torch.where(picked > 0, ids, num_experts), dim=1).values  # empty slots sort last
+    return torch.where(ids < num_experts, ids, -1)
 
 
 class RowwiseTokenDispatcher(MoETokenDispatcher):
@@ -115,7 +119,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
             self.top_idx, top_probs, self.selection = fused_routes.select(routing_map, probs, self.topk)
         else:
             self.top_idx, self.selection = routing_map_to_topk(routing_map, self.topk), None
-            top_probs = probs.gather(1, self.top_idx).float()
+            top_probs = probs.gather(1, self.top_idx.clamp(min=0)).float() * (self.top_idx >= 0)
         return tokens, top_probs  # moe_apply_probs_on_input: the experts scale their input rows
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):

@@ -125,6 +125,17 @@ def check_short_token() -> None:
     got = fused_routes.route(selection, 2, capacity=1000)
     assert got.dest_row[3, 1] == -1 and got.dest_rank[3, 1] == -1 and got.dest_row[3, 0] >= 0
     assert int(got.metrics.dropped_routes) == 1
+    # The torch form agrees: no phantom route to an expert the token did not pick (a review's case:
+    # a token with none selected took two rows and pushed another token's routes past the capacity).
+    from megatron_ext.moe.dispatcher import routing_map_to_topk
+    from megatron_ext.moe.route_map import route
+
+    routing_map[5] = False  # and one with no expert at all
+    torch_idx = routing_map_to_topk(routing_map, 2)
+    fused_idx, _, selection = fused_routes.select(routing_map, probs, 2)
+    assert torch.equal(torch_idx, fused_idx.long()), (torch_idx[3], torch_idx[5], fused_idx[3], fused_idx[5])
+    want, have = fused_routes.route(selection, 2, capacity=12), route(torch_idx, 8, 12)
+    assert torch.equal(want.dest_row, have.dest_row) and torch.equal(want.recv_counts, have.recv_counts)
     print("ok short token")
 
 
