@@ -200,6 +200,12 @@ class MoEExtConfig:
             return "error" if self.dropless_arena else "drop"
         return self.on_overflow
 
+    @property
+    def drops_routes(self) -> bool:
+        """The rowwise layer drops the routes beyond its capacity (a capacity factor of EP or more
+        is dropless too: moe/capacity.py caps it at the worst case)."""
+        return self.dispatcher == "rowwise" and self.overflow_policy == "drop" and not self.dropless
+
     def _check_unused(self) -> None:
         """A rowwise setting another setting makes do nothing: refused, not ignored."""
         changed = self.changed_fields()

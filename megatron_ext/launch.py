@@ -130,8 +130,9 @@ def prepare_parsed_args(args) -> None:
     kept_megatrons = _megatrons_moe_layers(args)
     if kept_megatrons is not None:  # a MoE model whose MoE layers megatron_ext does not build
         ext_config = ext_config_from_args(args)
-        for problem in replica_check_conflicts(args):  # the replica check still runs on such a model
-            raise MoEExtArgumentError(f"megatron_ext cannot run with these flags:\n  - {problem}")
+        problems = replica_check_conflicts(args)  # the replica check still runs on such a model
+        if problems:
+            raise MoEExtArgumentError("megatron_ext cannot run with these flags:\n  - " + "\n  - ".join(problems))
         specs.set_default_ext_config(ext_config)
         training_hooks.install(ext_config)
         _print_rank_0(f"megatron_ext: {kept_megatrons}; the MoE layers stay Megatron's"
@@ -167,8 +168,7 @@ def prepare_parsed_args(args) -> None:
 def _drop_notice(ext_config, ep: int) -> str | None:
     """Megatron's MoE layer under these flags is dropless (its capacity factor is refused here, see
     megatron_ext.rules); the rowwise layer's capacity drops beyond cf x the balanced load when cf < EP."""
-    if ext_config.dispatcher != "rowwise" or ext_config.overflow_policy != "drop" or ext_config.dropless or \
-            ext_config.capacity_factor >= ep:
+    if not ext_config.drops_routes or ext_config.capacity_factor >= ep:
         return None
     return (f"megatron_ext: the rowwise MoE layers hold --moe-ext-capacity-factor {ext_config.capacity_factor:g} x "
             f"the balanced load per destination rank and drop the routes beyond it (Megatron's own layer would keep "

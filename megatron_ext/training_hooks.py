@@ -95,8 +95,7 @@ def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: 
     at_log = iteration % max(log_interval, 1) == 0
     if config.overflow_policy == "error" and at_log:
         check_overflows(model)
-    may_drop = config.dispatcher == "rowwise" and config.overflow_policy == "drop" and not config.dropless
-    if may_drop and not config.metrics_interval and at_log:
+    if config.drops_routes and not config.metrics_interval and at_log:
         line = report_drops(model, iteration)
         if line and (not dist.is_initialized() or dist.get_rank() == 0):
             print(line, flush=True)
