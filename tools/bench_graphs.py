@@ -2,8 +2,9 @@
 
 For each token count: layer step time (fwd+bwd, CUDA events, median of `--repeats` alternating
 eager/graph measurements, each a median over `--iters` steps; the speedup's min..max printed),
-the GPU's SM clock while each was timed (nvidia-smi samples, bench/gpu_clocks.py), host
-submission time, and the memory the graph slots and their pool add. Same weights and
+the GPU's SM clock, power, share of time at the power cap and energy per step while each was
+timed (nvidia-smi samples, bench/gpu_clocks.py), host submission time, and the memory the graph
+slots and their pool add. Same weights and
 inputs for both modes; by default as in training (inside Megatron's DDP, gradients into fp32
 main_grad, input from a LayerNorm), `--grads autograd` for the layer alone with plain param.grad.
 
@@ -97,8 +98,7 @@ def measure_pair(args, weights, tokens: int) -> dict:
     for mode in steps:
         row[mode]["step_ms"] = median(row[mode]["step_ms_runs"])
         row[mode]["host_submit_ms"] = median(row[mode]["host_submit_ms_runs"])
-        sampled = [run["sm_mhz_median"] for run in row[mode]["clocks_runs"] if run["samples"]]
-        row[mode]["sm_mhz"] = median(sampled) if sampled else None
+        row[mode].update(clock_figures(row[mode]["clocks_runs"], row[mode]["step_ms"]))
     speedups = [e / g for e, g in zip(row["eager"]["step_ms_runs"], row["graph"]["step_ms_runs"])]
     row["step_speedup"] = median(speedups)
     row["step_speedup_spread"] = spread(speedups)
@@ -107,6 +107,20 @@ def measure_pair(args, weights, tokens: int) -> dict:
     del layers, steps
     torch.cuda.empty_cache()
     return row
+
+
+def clock_figures(clocks_runs: list[dict], step_ms: float) -> dict:
+    """Medians over a mode's timed runs of its SM clock, power and the share of samples at the
+    board's power cap, and the energy of one step (power x step time). Where both modes sit at the
+    cap, a step's time follows its energy: removing idle gaps (what a graph does) cannot shorten it."""
+    def over_runs(key: str):
+        values = [run[key] for run in clocks_runs if run["samples"] and key in run]
+        return median(values) if values else None
+    figures = {"sm_mhz": over_runs("sm_mhz_median"), "power_w": over_runs("power_w_median"),
+               "power_capped_fraction": over_runs("power_capped_fraction"),
+               "power_limit_w": over_runs("power_limit_w")}
+    figures["energy_mj_per_step"] = None if figures["power_w"] is None else figures["power_w"] * step_ms
+    return figures
 
 
 def profile_pair(steps: dict) -> dict:
@@ -132,6 +146,10 @@ def print_profile(tokens: int, profile: dict) -> None:
 
 def mhz(mode: dict) -> str:
     return "-" if mode["sm_mhz"] is None else f"{mode['sm_mhz']:.0f}"
+
+
+def pair(row: dict, key: str, spec: str) -> str:
+    return "/".join("-" if row[mode][key] is None else format(row[mode][key], spec) for mode in ("eager", "graph"))
 
 
 def main():
@@ -169,6 +187,10 @@ def main():
         print(f"{r['tokens']:7d} {r['eager']['step_ms']:9.2f} {r['graph']['step_ms']:9.2f} {r['step_speedup']:7.2f}x "
               f"{r['eager']['host_submit_ms']:11.2f} {r['graph']['host_submit_ms']:11.2f} {r['host_reduction']:8.1f}x "
               f"{r['graph_extra_mib']:9.0f} {lo:7.2f}..{hi:.2f}x {mhz(r['eager']):>5s}/{mhz(r['graph'])}")
+    print(f"\n{'tokens':>7s} {'power W e/g':>13s} {'at power cap e/g':>17s} {'mJ per step e/g':>16s}  (limit W)")
+    for r in rows:
+        print(f"{r['tokens']:7d} {pair(r, 'power_w', '.0f'):>13s} {pair(r, 'power_capped_fraction', '.0%'):>17s} "
+              f"{pair(r, 'energy_mj_per_step', '.2f'):>16s}  {r['eager']['power_limit_w'] or '-'}")
     for r in rows:
         if "profile" in r:
             print_profile(r["tokens"], r["profile"])

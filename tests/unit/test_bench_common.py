@@ -196,3 +196,21 @@ def test_bench_graphs_profile_pair_and_its_printout(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert lines[0] == "profile at 64 tokens (ms per step):" and len(lines) == 6
     assert lines[4].split() == ["3.000", "3.100", "+0.100", "gemm"]
+
+
+def test_bench_graphs_clock_figures_give_energy_per_step():
+    """A mode's clock figures are medians over its sampled runs (a run without samples is left out),
+    and its energy per step is that power times the step time (W x ms = mJ)."""
+    from tools.bench_graphs import clock_figures
+
+    runs = [{"samples": 50, "sm_mhz_median": 1665.0, "power_w_median": 690.0, "power_capped_fraction": 0.9,
+             "power_limit_w": 700.0},
+            {"samples": 0, "unavailable": "no sample taken"},
+            {"samples": 40, "sm_mhz_median": 1725.0, "power_w_median": 670.0, "power_capped_fraction": 0.7,
+             "power_limit_w": 700.0}]
+    figures = clock_figures(runs, step_ms=5.5)
+    assert figures["sm_mhz"] == 1695.0 and figures["power_w"] == 680.0
+    assert abs(figures["power_capped_fraction"] - 0.8) < 1e-12 and figures["power_limit_w"] == 700.0
+    assert figures["energy_mj_per_step"] == 680.0 * 5.5
+    unsampled = clock_figures([{"samples": 0}], step_ms=5.5)
+    assert unsampled["power_w"] is None and unsampled["energy_mj_per_step"] is None
