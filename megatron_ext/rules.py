@@ -44,6 +44,10 @@ ROWWISE_REFUSED: tuple[Refused, ...] = (
     Refused("moe_latent_size", "--moe-latent-size", "it needs Transformer Engine latent projections", "drop it"),
     Refused("moe_enable_deepep", "--moe-enable-deepep", "it selects Megatron's flex dispatcher",
             "for DeepEP use --moe-ext-transport deepep"),
+    Refused("moe_pad_experts_for_cuda_graph_inference", "--moe-pad-experts-for-cuda-graph-inference",
+            "Megatron's inference engine then sets a per-expert capacity and padding on the live config, and its "
+            "router hands every token more than top-k experts, which the rowwise routes cannot hold (their buffers "
+            "are static already)", "drop it"),
 )
 
 
@@ -181,6 +185,16 @@ def megatron_graph_problems(settings) -> list[str]:
 def _refusals(settings, rules: tuple[Refused, ...]) -> list[str]:
     return [f"{rule.field}={getattr(settings, rule.field)!r} ({_spelled(rule.flag, getattr(settings, rule.field))}): "
             f"{rule.why}; {rule.fix}" for rule in rules if _is_set(getattr(settings, rule.field, None))]
+
+
+def changed_after_build(config) -> str | None:
+    """A refused setting switched on in a built layer's live TransformerConfig (Megatron's
+    inference engine does this for decode padding): checked at each forward, host attributes only."""
+    problems = _refusals(config, ROWWISE_REFUSED)
+    if not problems:
+        return None
+    return ("the rowwise MoE layer's TransformerConfig changed after the layer was built, to settings it cannot "
+            "run with:\n  - " + "\n  - ".join(problems))
 
 
 def rowwise_problems(settings) -> list[str]:

@@ -20,8 +20,8 @@ from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
-from megatron_ext.rules import (MXFP8_PROBS_ON_INPUT, ExpertSettings, expert_problems, graph_runner_clash, moe_problems,
-                                rowwise_problems)
+from megatron_ext.rules import (MXFP8_PROBS_ON_INPUT, ExpertSettings, changed_after_build, expert_problems,
+                                graph_runner_clash, moe_problems, rowwise_problems)
 
 def check_megatron_config(config, ext_config: MoEExtConfig | None = None) -> None:
     """Refuse TransformerConfig settings the rowwise layer cannot run with (megatron_ext.rules)."""
@@ -77,6 +77,9 @@ class RowwiseMoELayer(MoELayer):
             self._graph_runner = GraphedMoELayer(self, num_slots=ext_config.lease_slots)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        changed = changed_after_build(self.config)
+        if changed:  # e.g. Megatron's decode padding: its router would pick more than top-k experts
+            raise ValueError(changed)
         if self._graph_runner is not None and intermediate_tensors is None and padding_mask is None \
                 and self.training and torch.is_grad_enabled():
             return self._graph_runner(hidden_states)

@@ -57,3 +57,44 @@ def _errors_rank(rank, world):
 
 def test_bad_input_errors():
     run_on_ranks(_errors_rank, 2, sizes=ParallelSizes(ep=2))
+
+
+class _Model(torch.nn.Module):
+    """What Megatron's inference helpers take: a module with .config holding the MoE layers."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.config = layer, layer.config
+
+
+def _decode_padding_rank(rank, world):
+    import megatron.core.inference.utils as inference_utils
+    from megatron_ext.testing.megatron_moe import load_weights
+    from megatron_ext.testing.reference import MoEWeights
+
+    with pytest.raises(ValueError, match=r"moe_pad_experts_for_cuda_graph_inference=True "
+                                         r"\(--moe-pad-experts-for-cuda-graph-inference\): .*more than top-k"):
+        build(moe_config(experts=4, topk=2, moe_pad_experts_for_cuda_graph_inference=True))
+    weights = MoEWeights.random(4, 32, 16, seed=5)
+    layer, reference = (build(moe_config(experts=4, topk=2, ffn=16), dropless=True).eval() for _ in range(2))
+    for each in (layer, reference):
+        load_weights(each, weights)
+    x = torch.randn(6, 1, 32, generator=torch.Generator().manual_seed(3))
+    # Megatron's inference engine turns decode padding on in the live config of a built model: its
+    # router would then hand the layer every expert with a capacity mask (a review's case: outputs
+    # off by 0.76, no error). The layer refuses the changed config at its next forward.
+    inference_utils.moe_layer_cache = None
+    try:
+        inference_utils.set_decode_expert_padding(_Model(layer), True, capacity_factor=2.0)
+        with pytest.raises(ValueError, match=r"changed after the layer was built(.|\n)*"
+                                             r"moe_expert_capacity_factor=2.0 \(--moe-expert-capacity-factor 2.0\)"):
+            layer(x)
+        inference_utils.set_decode_expert_padding(_Model(layer), False)
+        with torch.no_grad():
+            assert torch.equal(layer(x)[0], reference(x)[0])
+    finally:
+        inference_utils.moe_layer_cache = None
+
+
+def test_decode_padding_is_refused_at_build_and_when_switched_on_later():
+    run_on_ranks(_decode_padding_rank, 1, sizes=ParallelSizes())
