@@ -144,14 +144,36 @@ def train(rank: int, world: int, cfg: TinyGPTConfig, ext_config: MoEExtConfig | 
 
 
 def _audit_only_moe(model, audit) -> None:
-    """Count syncs inside MoE layer forwards only (the rest of the model is not ours to audit)."""
+    """Count syncs inside MoE layers only, forward and backward (the rest of the model is not ours
+    to audit). The backward's window opens when the layer output's gradient arrives and closes
+    when its input's gradient is complete (tensor hooks: the autograd graph is unchanged)."""
     audit.active = False
     for layer in moe_layers(model):
         if not getattr(layer, "_audit_hooks", None):
             layer._audit_hooks = True
-            layer.register_forward_pre_hook(lambda module, args: setattr(module._audit, "active", True))
-            layer.register_forward_hook(lambda module, args, out: setattr(module._audit, "active", False))
+            layer.register_forward_pre_hook(_open_forward_audit)
+            layer.register_forward_hook(_close_forward_audit)
         layer._audit = audit
+
+
+def _set_active(audit, active: bool):
+    def hook(grad):
+        audit.active = active
+    return hook
+
+
+def _open_forward_audit(module, args):
+    module._audit.active = True
+    hidden = args[0]
+    if hidden.requires_grad:  # its gradient is complete once the layer's backward has run
+        hidden.register_hook(_set_active(module._audit, False))
+
+
+def _close_forward_audit(module, args, output):
+    module._audit.active = False
+    out = output[0] if isinstance(output, tuple) else output
+    if out.requires_grad:
+        out.register_hook(_set_active(module._audit, True))
 
 
 def _routing_summary(model) -> dict:

@@ -174,6 +174,31 @@ def test_capture_replay_raises_capture_failed_on_a_host_sync():
     assert torch.equal(out, torch.full_like(x, 3))
 
 
+def test_capture_replay_sees_a_sync_of_another_thread_in_the_backward():
+    """The capture's thread_local mode lets the autograd device thread synchronize another stream (a
+    review captured such a backward without error); the profiled warm-up step catches it."""
+    from megatron_ext.host_sync import HostSyncFound, capture_replay
+
+    class SyncingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            torch.cuda.default_stream().synchronize()
+            return grad * 2
+
+    x = torch.ones(8, device="cuda", requires_grad=True)
+
+    def step():
+        x.grad = None
+        SyncingBackward.apply(x).sum().backward()
+
+    with pytest.raises(HostSyncFound, match="blocking CUDA calls"):
+        capture_replay(step)
+
+
 def test_capture_replay_keeps_what_the_step_reads_alive():
     """A caller that keeps only the graph must not lose the modules its replays read (a bench did:
     its collected layers' memory went back to the driver, and a replay hit an illegal address)."""

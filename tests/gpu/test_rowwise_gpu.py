@@ -24,9 +24,18 @@ def single_rank():
     init_single_rank_megatron()
 
 
-def make_layer(kind, weights, **ext):
+# Route paths a proof must cover: the fused router (softmax top-k, the default), Megatron's router
+# with the fused route selection (any router the fused one does not take: here sigmoid with an
+# expert bias, moe/fused_routes.select), and the torch route map (fused_route_map=False).
+ROUTE_PATHS = {"fused_router": ({}, {}),
+               "megatron_router_fused_select": (dict(moe_router_score_function="sigmoid",
+                                                     moe_router_enable_expert_bias=True), {}),
+               "torch_route_map": ({}, dict(fused_route_map=False))}
+
+
+def make_layer(kind, weights, config_overrides=None, **ext):
     config = moe_config(**SHAPE, dtype=torch.bfloat16, use_cpu_initialization=False,
-                        moe_router_dtype="fp32")
+                        moe_router_dtype="fp32", **(config_overrides or {}))
     if kind == "megatron":
         layer = megatron_moe_layer(config)
     else:
@@ -136,8 +145,10 @@ def capture_layer_step(layer, seed):
     return replay
 
 
-def test_whole_layer_captures_in_a_cuda_graph_and_replays_like_eager(weights):
-    layer = make_layer("symm", weights)
+@pytest.mark.parametrize("route_path", ROUTE_PATHS)
+def test_whole_layer_captures_in_a_cuda_graph_and_replays_like_eager(weights, route_path):
+    overrides, ext = ROUTE_PATHS[route_path]
+    layer = make_layer("symm", weights, overrides, **ext)
     replay = capture_layer_step(layer, 4)
     for seed in (5, 6):  # new inputs, new routes, same static buffers
         x, g = inputs(seed)
@@ -175,8 +186,12 @@ def test_put_return_equals_get_bitwise(weights, capacity_factor):
     assert torch.equal(out, eager[0]) and torch.equal(grad, eager[1]), "put return replayed differs from get eager"
 
 
-def test_eager_step_makes_no_blocking_cuda_calls(weights):
-    layer = make_layer("symm", weights)
+@pytest.mark.parametrize("route_path", ROUTE_PATHS)
+def test_eager_step_makes_no_blocking_cuda_calls(weights, route_path):
+    overrides, ext = ROUTE_PATHS[route_path]
+    layer = make_layer("symm", weights, overrides, **ext)
+    if route_path == "megatron_router_fused_select":
+        assert layer.router.unfused, "this case must run Megatron's routing and the fused route selection"
     x, g = inputs(7)
     run_step(layer, x, g)  # warm-up: allocation and compilation happen here
     assert profiled_sync_calls(functools.partial(run_step, layer, x, g)) == {}

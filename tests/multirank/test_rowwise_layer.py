@@ -221,9 +221,9 @@ def _uneven_first_microbatch_rank(rank, world):
         for step, tokens in enumerate((16 >> rank, 16 >> (world - 1 - rank))):
             x = torch.randn(tokens, 1, 16, generator=torch.Generator().manual_seed(10 * step + rank),
                             requires_grad=True)
-            with count_host_syncs() as audit:
+            with count_host_syncs() as audit:  # forward and backward
                 out = layer(x)[0]
-            out.square().sum().backward()
+                out.square().sum().backward()
             outs.append((out.detach(), x.grad, audit.count))
         results.append((layer.token_dispatcher.capacity, outs))
     return results
