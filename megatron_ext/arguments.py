@@ -125,9 +125,11 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "the dropless arena and the CUDA-graph runner; raise it for pipeline schedules that keep several "
                  "microbatches of a layer alive. The torch and deepep transports need none (refused there)."),
     ExtFlag("peer_timeout_s", "--moe-ext-peer-timeout-s", "value", type=float, metavar="SECONDS",
-            help="How long a rank waits on its expert-parallel peers (count exchange, row transfers, device "
-                 "barriers) before it stops with a message naming the phase and the group. Default: "
-                 "--distributed-timeout-minutes.", default_text="`--distributed-timeout-minutes`"),
+            help="How long a rank of the symm transport waits on its expert-parallel peers in a device barrier "
+                 "(count exchange, row transfers) before it stops with a message naming the phase and the group. "
+                 "Default: --distributed-timeout-minutes. The torch transport's waits are process-group "
+                 "collectives, bounded by --distributed-timeout-minutes (refused there, and with deepep).",
+            default_text="`--distributed-timeout-minutes`"),
     ExtFlag("fused_route_map", "--moe-ext-no-fused-route-map", "off",
             help="On GPUs, build the route map with torch ops instead of the fused Triton kernels (same "
                  "results; the fused kernels save about 1 ms of host time per layer)."),

@@ -78,9 +78,11 @@ class MoEExtConfig:
         layer step on the lent H200 hosts, 0-7% more device time, most at small token counts; up to
         256 experts, more use cuBLAS) or "cublas". Same results to fp32 rounding of the logits. Eager
         and CUDA-graphed layers use the same GEMMs, so their results stay bitwise equal.
-    peer_timeout_s: how long a rank waits on its expert-parallel peers (count exchange, transfers,
-        device barriers) before it ends with a message naming the phase; None follows Megatron's
-        --distributed-timeout-minutes (else torch's default process-group timeout, 30 min).
+    peer_timeout_s: how long a rank of the symm transport waits on its expert-parallel peers in a
+        device barrier (count exchange, transfers) before it ends with a message naming the phase;
+        None follows Megatron's --distributed-timeout-minutes (else torch's default process-group
+        timeout, 30 min). The torch transport's waits are process-group collectives, bounded by the
+        group's own timeout (--distributed-timeout-minutes): refused with transport="torch".
     pin_host_threads: keep the threads that submit the layer's work (the main thread, PyTorch's
         autograd thread) on one CPU core, this rank's share of its allowed cores
         (megatron_ext/host_affinity.py; Linux). On the lent H200 hosts the eager layer's host time fell
@@ -216,7 +218,9 @@ class MoEExtConfig:
                 ("router_gemms", not (self.fused_router and self.fused_route_map),
                  "it places the fused router's GEMMs, and fused_router=False or fused_route_map=False turns that "
                  "router off (it hands its selection to the fused route map)"),
-                ("peer_timeout_s", self.transport == "deepep", "DeepEP's waits are bounded by its own timeouts"),
+                ("peer_timeout_s", self.transport in ("torch", "deepep"),
+                 "it bounds the symm transport's device barriers; the torch transport's waits are collectives of the "
+                 "process group, bounded by its timeout (--distributed-timeout-minutes), and DeepEP's by its own"),
                 ("lease_slots", self.transport in ("torch", "deepep") and not (self.cuda_graphs or self.dropless_arena),
                  f"the {self.transport} transport's buffers belong to autograd (any number of microbatches may be "
                  f"live); lease slots size the symm transport's dispatch buffers, the arena's and the graph slots")):

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_ext.cuda_graphs import arena_slots
 from megatron_ext.cuda_graphs.capture import CaptureFailed, capture
+from megatron_ext.moe.peer_failure import named_phase, peer_timeout_seconds
 from megatron_ext.cuda_graphs.main_grads import (flag_added, flagged_by, main_grad_addresses, main_grads_moved,
                                                  main_grads_set_aside)
 
@@ -290,8 +291,10 @@ class GraphedMoELayer:
         group = ep_group_of(self.layer)
         if group is not None:
             captured = torch.tensor([0 if reason else 1], dtype=torch.int32, device=hidden.device)
-            dist.all_reduce(captured, op=dist.ReduceOp.MIN, group=group)
-            if reason is None and not bool(captured.item()):
+            with named_phase("CUDA-graph capture agreement", group, peer_timeout_seconds(None)):
+                dist.all_reduce(captured, op=dist.ReduceOp.MIN, group=group)
+                agreed = bool(captured.item())
+            if reason is None and not agreed:
                 reason = "capture failed on another rank of the expert-parallel group (all ranks run eagerly)"
         if reason is not None:
             self.reset()

@@ -22,6 +22,7 @@ from megatron_ext.moe import fused_routes
 from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.expert_rows import RowGroups
 from megatron_ext.moe.mxfp8_dispatch import dispatch_row_bytes, dispatch_rows_mxfp8
+from megatron_ext.moe.peer_failure import named_phase, peer_timeout_seconds
 from megatron_ext.moe.route_map import RouteMap, check_route_map, route
 from megatron_ext.moe.row_autograd import combine_rows, dispatch_rows
 from megatron_ext.moe.transport import make_transport
@@ -95,8 +96,10 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         if self.ep_size == 1:
             return num_tokens
         largest = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
-        return int(largest.item())
+        with named_phase("first-forward agreement on the largest microbatch", self.ep_group,
+                         peer_timeout_seconds(None)):
+            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+            return int(largest.item())
 
     def _arena_capacity(self) -> int:
         if self.arena_layer is None:

@@ -102,12 +102,23 @@ class BarrierWatchdog:
                 self.fail(phase)
 
     def overdue(self) -> str | None:
-        """Drop completed barriers; the phase of the oldest one pending longer than the timeout, if any."""
+        """Drop completed barriers; the phase of the oldest one pending longer than the timeout, if any.
+
+        A barrier's wait counts from when it was enqueued or from when the barrier before it was
+        seen complete, whichever is later: a host that runs ahead enqueues barriers long before
+        the device reaches them (a review's simulation had a healthy run killed). Work queued
+        ahead of the first pending barrier still counts, a floor the timeout must exceed."""
+        now = time.monotonic()
         with self._lock:
+            completed = False
             while self._pending and self._pending[0][1].query():
                 self._pending.popleft()
+                completed = True
+            if completed and self._pending:
+                phase, event, started = self._pending[0]
+                self._pending[0] = (phase, event, max(started, now))
             oldest = self._pending[0] if self._pending else None
-        if oldest is not None and time.monotonic() - oldest[2] > self.timeout_s:
+        if oldest is not None and now - oldest[2] > self.timeout_s:
             return oldest[0]
         return None
 

@@ -22,7 +22,7 @@ BOUND_S = 60  # the survivor must report within this (gloo fails at once when a 
 
 
 def _layer(world):
-    layer = moe_builder(MoEExtConfig(transport="torch", peer_timeout_s=30))(
+    layer = moe_builder(MoEExtConfig(transport="torch"))(
         config=moe_config(hidden=32, ffn=16, experts=4, topk=2, ep=world))
     load_weights(layer, MoEWeights.random(4, 32, 16, seed=1))
     return layer
@@ -66,3 +66,21 @@ def test_survivor_names_the_phase(phase, how):
         assert "rank 1 exited with code -9 without a result" in report, report[-2000:]
     else:
         assert "a user hook raised on rank 1" in report
+
+
+def _die_before_first_forward(rank, world):
+    layer = _layer(world)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x, _ = rank_tokens(rank, 8, 32)
+    layer(x.view(8, 1, 32))  # the first forward agrees on the largest microbatch: one all-reduce
+
+
+def test_survivor_names_the_first_forward_agreement():
+    """The all-reduce of the first forward (T_max) is a wait on peers too: a review saw the survivor
+    raise gloo's bare 'Connection reset by peer' there."""
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(_die_before_first_forward, 2, sizes=ParallelSizes(ep=2), timeout=BOUND_S, wait_all=True)
+    report = str(failure.value)
+    assert "PeerFailure" in report and "the first-forward agreement on the largest microbatch failed on rank 0" \
+        in report, report[-3000:]

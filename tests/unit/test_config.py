@@ -140,7 +140,8 @@ def test_arena_region_factor_is_checked_without_the_arena_too(value):
     (dict(fused_route_map=False, router_gemms="cublas"), "router_gemms"),
     (dict(transport="torch", lease_slots=2), "lease_slots"),
     (dict(transport="deepep", lease_slots=2), "lease_slots"),
-    (dict(transport="deepep", peer_timeout_s=5.0), "peer_timeout_s")])
+    (dict(transport="deepep", peer_timeout_s=5.0), "peer_timeout_s"),
+    (dict(transport="torch", peer_timeout_s=5.0), "peer_timeout_s")])
 def test_a_rowwise_setting_another_one_disables_is_refused(settings, field):
     with pytest.raises(ValueError, match=rf"{field}=.* does nothing here: .*leave it at its default"):
         MoEExtConfig(**settings)

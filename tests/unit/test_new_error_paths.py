@@ -60,6 +60,8 @@ def test_watchdog_names_the_overdue_phase_and_ends_the_process(monkeypatch, caps
     watchdog = BarrierWatchdog(timeout_s=0.05, group=None)
     watchdog._pending.extend([("dispatch", _Event(True), time.monotonic() - 1),
                               ("combine", _Event(False), time.monotonic() - 1)])
+    assert watchdog.overdue() is None  # the dispatch barrier just completed: the combine's wait starts now
+    time.sleep(0.1)
     assert watchdog.overdue() == "combine"  # the completed dispatch barrier was dropped
     exits = []
     monkeypatch.setattr("os._exit", exits.append)
@@ -69,6 +71,24 @@ def test_watchdog_names_the_overdue_phase_and_ends_the_process(monkeypatch, caps
     fresh = BarrierWatchdog(timeout_s=60, group=None)
     fresh._pending.append(("dispatch", _Event(False), time.monotonic()))
     assert fresh.overdue() is None  # pending, but within the timeout
+
+
+def test_watchdog_does_not_charge_a_barrier_for_the_ones_queued_before_it():
+    """A host that runs ahead enqueues barriers long before the device reaches them: each one's wait
+    counts from when the one before it completed (a review's simulation: barriers completing 1 s
+    apart, enqueued together, killed a healthy process at a 3 s timeout)."""
+    watchdog = BarrierWatchdog(timeout_s=0.2, group=None)
+    enqueued = time.monotonic() - 1.0  # all three enqueued a second ago, longer than the timeout
+    barriers = [_Event(False) for _ in range(3)]
+    watchdog._pending.extend([(f"barrier {i}", event, enqueued) for i, event in enumerate(barriers)])
+    assert watchdog.overdue() == "barrier 0"  # the first one really has been pending for a second
+    for i in range(2):  # the device reaches each barrier 0.1 s after the one before: healthy
+        barriers[i].done = True
+        assert watchdog.overdue() is None, f"barrier {i + 1} charged for the time before barrier {i} completed"
+        time.sleep(0.1)
+        assert watchdog.overdue() is None
+    time.sleep(0.15)
+    assert watchdog.overdue() == "barrier 2"  # now it has waited longer than the timeout itself
 
 
 def test_capture_failure_on_the_legacy_stream_says_how_to_build_ddp():

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import socket
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.moe.peer_failure import peer_timeout_seconds
+from megatron_ext.moe.peer_failure import named_phase, peer_timeout_seconds
 from megatron_ext.moe.transport.torch_ref import TorchRowTransport
+from megatron_ext.quiet import warn_once
+
+logger = logging.getLogger(__name__)
 
 
 def group_in_one_host(group) -> bool:
@@ -17,7 +21,8 @@ def group_in_one_host(group) -> bool:
     if group is None or dist.get_world_size(group) == 1:
         return True
     names = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
+    with named_phase("host-name exchange (choosing the row transport)", group, peer_timeout_seconds(None)):
+        dist.all_gather_object(names, socket.gethostname(), group=group)
     return len(set(names)) == 1
 
 
@@ -50,8 +55,14 @@ def make_transport(ext_config, group, capacity: int, device: torch.device, max_r
                          f"{ext_config.transport!r} resolved to {choice!r} here (the symm transport needs GPUs "
                          f"of one NVLink domain): use return_transfer='get'")
     timeout_s = peer_timeout_seconds(ext_config.peer_timeout_s)
-    if choice == "torch":
-        return TorchRowTransport(group, capacity, poison_tail=ext_config.debug_poison, timeout_s=timeout_s)
+    if choice == "torch":  # its waits are the process group's collectives: the group's own timeout bounds them
+        if ext_config.peer_timeout_s is not None:
+            warn_once(logger, f"megatron_ext: peer_timeout_s={ext_config.peer_timeout_s} does not bound the torch "
+                              f"row transport (transport={ext_config.transport!r} resolved to 'torch' here): its "
+                              f"waits are collectives of the expert-parallel process group, bounded by that group's "
+                              f"timeout (--distributed-timeout-minutes)")
+        return TorchRowTransport(group, capacity, poison_tail=ext_config.debug_poison,
+                                 timeout_s=peer_timeout_seconds(None))
     if choice == "symm":
         from megatron_ext.moe.transport.symm import SymmRowTransport
 
