@@ -34,14 +34,14 @@ def _step(config, weights, x, grad_out, transport, ext):
     return [out.detach().view_as(x), x_in.grad.view_as(x), layer.router.weight.grad, *expert_grads(layer)], route, layer
 
 
-def _parity_rank(rank, world, tokens, experts, topk, ext, steps=1):
+def _parity_rank(rank, world, tokens, experts, topk, ext, steps=1, hidden=32):
     fake_deep_ep.install()
     fake_deep_ep.calls.clear()
     ep = world if ext.get("ep") is None else ext["ep"]
     ext = {k: v for k, v in ext.items() if k != "ep"}
-    config = moe_config(hidden=32, ffn=16, experts=experts, topk=topk, ep=ep)
-    weights = MoEWeights.random(experts, 32, 16, seed=11)
-    x, grad_out = rank_tokens(rank, tokens, 32)
+    config = moe_config(hidden=hidden, ffn=16, experts=experts, topk=topk, ep=ep)
+    weights = MoEWeights.random(experts, hidden, 16, seed=11)
+    x, grad_out = rank_tokens(rank, tokens, hidden)
     ref, ref_route, _ = _step(config, weights, x, grad_out, "torch", ext)
     for _ in range(steps):
         got, route, layer = _step(config, weights, x, grad_out, "deepep", ext)
@@ -87,7 +87,9 @@ def test_deepep_poisoned_tails_and_repeated_steps():
 
 
 def test_deepep_mxfp8_payloads_equal_torch():
-    results = run_on_ranks(_parity_rank, 2, 12, 4, 2, dict(capacity_factor=1.0, mxfp8_dispatch=True, ep=2),
+    # hidden 1024: packed rows of 1056 bytes, a multiple of 32 as DeepEP's dispatch needs (hidden 32
+    # packs into 48 bytes, which the real kernel traps on and the transport now refuses).
+    results = run_on_ranks(_parity_rank, 2, 12, 4, 2, dict(capacity_factor=1.0, mxfp8_dispatch=True, ep=2), 1, 1024,
                            sizes=ParallelSizes(ep=2))
     # Packed MXFP8 rows are narrower than the combined rows: the buffer is sized for the latter up front.
     _check_sync_free(results, 2)
@@ -139,6 +141,14 @@ def _errors_rank(rank, world):
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         exchange.dispatch(torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.int64),
                           torch.zeros(4, 1), 16)
+    # Rows DeepEP V1's dispatch kernel traps on (a review): bf16 hidden 8192 (16384 bytes), and 16-byte
+    # multiples that are not 32-byte ones (hidden 24 and 1000 in bf16); cached dispatches alike.
+    for hidden in (8192, 24, 1000):
+        with pytest.raises(ValueError, match=rf"at most 16352 bytes .* {2 * hidden} bytes .*-transport symm"):
+            exchange.dispatch(torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.int64),
+                              torch.zeros(4, 1), 16)
+        with pytest.raises(ValueError, match=rf"{2 * hidden} bytes"):
+            exchange.dispatch_cached(torch.zeros(4, hidden, dtype=torch.bfloat16), handle=None, capacity=16)
     fake_deep_ep.calls.clear()
     for row_bytes in (64, 32, 128, 64):  # created once, replaced once for the wider row (collective, in step)
         exchange.reserve(row_bytes)

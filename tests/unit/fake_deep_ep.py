@@ -155,7 +155,8 @@ class Buffer:
     def _all_to_all_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows of any dtype, moved as bytes (block r to rank r; blocks arrive in source-rank order)."""
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-        raw = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes)
+        # a fresh contiguous copy: an empty slice of an expanded tensor keeps stride 0, which .view refuses
+        raw = torch.empty(rows.shape, dtype=rows.dtype).copy_(rows).view(torch.uint8).reshape(rows.shape[0], row_bytes)
         out = raw.new_empty(sum(recv_counts), row_bytes)
         dist.all_to_all_single(out, raw, recv_counts, send_counts, group=self.group)
         return out.view(rows.dtype).reshape(out.shape[0], *rows.shape[1:])
@@ -189,7 +190,9 @@ class Buffer:
         if isinstance(x, tuple):
             raise NotImplementedError("fake deep_ep: FP8 (values, scales) payloads are not modelled")
         assert x.dim() == 2 and x.is_contiguous()
-        assert (x.shape[1] * x.element_size()) % 16 == 0, "DeepEP rows must be multiples of 16 bytes"
+        row_bytes = x.shape[1] * x.element_size()
+        # V1's SM90 dispatch kernel: EP_DEVICE_ASSERT(hidden_int4 % 2 == 0 and half_hidden_bytes + 8 <= 8192)
+        assert row_bytes % 32 == 0 and row_bytes // 2 + 8 <= 8192, f"DeepEP dispatch traps on rows of {row_bytes} bytes"
         config = config or self.get_dispatch_config(self.group_size)
         cached = handle is not None
         if cached:

@@ -10,6 +10,8 @@ exactly zero on the way back.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -144,14 +146,14 @@ def test_layout_is_static_and_host_free_on_meta():
     assert returned_routes(torch.empty(30, HIDDEN, device="meta"), layout).shape == (10, 3, HIDDEN)
 
 
-@pytest.mark.parametrize("capacity", [4, 16, 48])
-def test_single_rank_transport_equals_torch_transport(capacity):
+@pytest.mark.parametrize("capacity,tokens", [(4, 12), (16, 12), (48, 12), (8, 0)])  # 0: a rank holding no token
+def test_single_rank_transport_equals_torch_transport(capacity, tokens):
     """EP=1 (no DeepEP call at all): all four transfers equal the reference transport's, bitwise."""
-    top, routes = _routes(9, 1, 4, 12, 2, capacity)
+    top, routes = _routes(9, 1, 4, tokens, 2, capacity)
     route = routes[0]
     gen = torch.Generator().manual_seed(5)
-    x, grad_out = torch.randn(12, HIDDEN, generator=gen), torch.randn(12, HIDDEN, generator=gen)
-    probs = torch.rand(12, 2, generator=gen)
+    x, grad_out = torch.randn(tokens, HIDDEN, generator=gen), torch.randn(tokens, HIDDEN, generator=gen)
+    probs = torch.rand(tokens, 2, generator=gen)
     expert_out, grad_buffer = torch.randn(capacity, HIDDEN, generator=gen), torch.randn(capacity, HIDDEN, generator=gen)
     grad_row_probs = torch.randn(capacity, generator=gen)
     ours, ref = DeepEPRowTransport(None, capacity), TorchRowTransport(None, capacity)
@@ -162,3 +164,20 @@ def test_single_rank_transport_equals_torch_transport(capacity):
     for a, b in zip(ours.dispatch_backward(grad_buffer, grad_row_probs, route),
                     ref.dispatch_backward(grad_buffer, grad_row_probs, route)):
         assert torch.equal(a, b)
+
+
+def test_routes_outside_the_buffers_travel_nowhere():
+    """A corrupted route map (a row past C, a rank past M) sends nothing, as the torch transport and
+    the symm kernels do: DeepEP would write past the receiver's num_worst_tokens rows."""
+    top, routes = _routes(3, 2, 2, 6, 2, 8)
+    route = routes[0]
+    dest_row, dest_rank = route.dest_row.clone(), route.dest_rank.clone()
+    dest_row[0, 0], dest_rank[1, 1] = 8, 2  # one row past C = 8, one rank past M = 2
+    bad = dataclasses.replace(route, dest_row=dest_row, dest_rank=dest_rank)
+    layout = build_layout(bad, 2, 8)
+    sent = layout.send_rank[:, 0][layout.route_send_pos]  # each route's DeepEP destination
+    assert sent[0, 0] == -1 and sent[1, 1] == -1 and not layout.route_kept[0, 0] and not layout.route_kept[1, 1]
+    untouched = build_layout(route, 2, 8).send_rank[:, 0][build_layout(route, 2, 8).route_send_pos]
+    others = torch.ones_like(sent, dtype=torch.bool)
+    others[0, 0] = others[1, 1] = False
+    assert torch.equal(sent[others], untouched[others])

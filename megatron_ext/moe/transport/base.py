@@ -55,3 +55,10 @@ def sum_routes(rows: torch.Tensor) -> torch.Tensor:
     summed in fp32, in the rows' dtype (combine and the dispatch backward of the transports that
     fetch whole route rows before summing)."""
     return rows.float().sum(1).to(rows.dtype)
+
+
+def routes_in_range(route, num_ranks: int, capacity: int) -> torch.Tensor:
+    """[T, K] routes that are kept and inside [0, M) x [0, C): the others move nothing (as the
+    symm kernels mask them), whatever a corrupted route map says."""
+    rank, row = route.dest_rank, route.dest_row
+    return (rank >= 0) & (rank < num_ranks) & (row >= 0) & (row < capacity)

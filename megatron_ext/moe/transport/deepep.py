@@ -14,8 +14,9 @@ route map's capacity/drop policy holds (dropped routes get DeepEP id -1 and trav
 Cost removed (vs Megatron's flex dispatcher over DeepEP): the host-visible per-expert count
 list and the host wait behind it: `num_worst_tokens = C` sizes every output statically
 (a rank never receives more than C kept routes), so dispatch, combine and their backward
-are CUDA-graph capturable. Vs the torch reference transport: only kept rows travel, with no
-zero-filled [M, C, H] blocks.
+need no host value. (The layer's route-count exchange over this transport is an NCCL
+all-gather, so the graph runner refuses deepep at EP > 1: runner.transport_blocker.)
+Vs the torch reference transport: only kept rows travel, with no zero-filled [M, C, H] blocks.
 Router probabilities travel as DeepEP's topk_weights: dispatch carries each route's probability
 to its row, and the dispatch backward's combine brings each row's probability gradient back.
 Costs accepted:
@@ -31,7 +32,8 @@ Costs accepted:
 MXFP8 payloads (dispatch_quantized) travel as packed 16-byte-aligned rows, bit-exact; DeepEP's
 own FP8 tuple format (E4M3 + per-128 fp32 scales) is not used.
 Limits of the real package (V1): combine reduces bf16 rows only (checked up front; a stand-in
-module may widen `combine_dtypes`), rows must be multiples of 16 bytes, EP groups of 2, 4 or 8
+module may widen `combine_dtypes`), rows must be multiples of 16 bytes (dispatched rows: of 32 bytes,
+at most 16352: bf16 hidden <= 8176, so not 8192), EP groups of 2, 4 or 8
 ranks inside one NVLink domain (V1's internode path cannot take num_worst_tokens, i.e. would
 synchronize with the host; V2 ElasticBuffer with device prefix sums is future work).
 """
@@ -51,6 +53,15 @@ from megatron_ext.moe.transport.deepep_layout import (
 
 INTRANODE_RANKS = (2, 4, 8)  # DeepEP V1 intranode kernels are instantiated for these group sizes
 ROW_ALIGN_BYTES = 16
+# DeepEP V1 (v1.2.1 and 567632d) csrc/kernels/intranode.cu, dispatch on SM90: EP_DEVICE_ASSERT(hidden_int4 % 2 == 0
+# and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp), kNumTMABytesPerWarp = 8192.
+DISPATCH_TMA_BYTES_PER_WARP = 8192
+MAX_DISPATCH_ROW_BYTES = (DISPATCH_TMA_BYTES_PER_WARP - 8) // 16 * 32  # 16352: half a row in 16-byte units + 8
+
+
+def dispatch_row_fits(row_bytes: int) -> bool:
+    """Whether DeepEP V1's intranode dispatch kernel takes rows of `row_bytes` (see above)."""
+    return row_bytes % 32 == 0 and row_bytes // 2 + 8 <= DISPATCH_TMA_BYTES_PER_WARP
 
 
 class DeepEPExchange:
@@ -71,12 +82,18 @@ class DeepEPExchange:
         self.buffer = None
         self.row_bytes = 0
 
-    def _buffer_for(self, rows: torch.Tensor):
+    def _buffer_for(self, rows: torch.Tensor, dispatch: bool = False):
         row_bytes = rows.shape[1] * rows.element_size()
         if row_bytes % ROW_ALIGN_BYTES:
             raise ValueError(f"DeepEP moves rows in 16-byte units; a row of {rows.shape[1]} {rows.dtype} values "
                              f"is {row_bytes} bytes. Use a hidden size that makes rows a multiple of 16 bytes "
                              f"(bf16: hidden % 8 == 0), or --moe-ext-transport symm/torch")
+        if dispatch and not dispatch_row_fits(row_bytes):
+            raise ValueError(f"DeepEP V1's intranode dispatch (SM90 build) stages half a row per warp in "
+                             f"{DISPATCH_TMA_BYTES_PER_WARP} bytes of shared memory: rows must be a multiple of 32 "
+                             f"bytes and at most {MAX_DISPATCH_ROW_BYTES} bytes (the kernel traps otherwise), but a "
+                             f"row of {rows.shape[1]} {rows.dtype} values is {row_bytes} bytes (the backward "
+                             f"dispatches bf16 output gradients too). Use --moe-ext-transport symm or torch")
         return self.reserve(row_bytes)
 
     def reserve(self, row_bytes: int):
@@ -92,7 +109,7 @@ class DeepEPExchange:
     def dispatch(self, send: torch.Tensor, send_rank: torch.Tensor, send_weights: torch.Tensor, capacity: int):
         """New layout: [N, H] rows, [N, 1] destination ranks (-1 nowhere) and [N, 1] fp32 weights (the
         routes' probabilities, DeepEP's topk_weights) -> ([C, H] received, [C, 1] weights, handle)."""
-        buffer = self._buffer_for(send)
+        buffer = self._buffer_for(send, dispatch=True)
         topk_idx = send_rank.to(self.index_dtype)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, self.num_ranks)
         received, _, received_weights, _, handle, _ = buffer.dispatch(
@@ -101,7 +118,7 @@ class DeepEPExchange:
         return received, received_weights, handle
 
     def dispatch_cached(self, send: torch.Tensor, handle, capacity: int) -> torch.Tensor:
-        received, *_ = self._buffer_for(send).dispatch(send, handle=handle, num_worst_tokens=capacity)
+        received, *_ = self._buffer_for(send, dispatch=True).dispatch(send, handle=handle, num_worst_tokens=capacity)
         return received
 
     def combine(self, rows: torch.Tensor, handle, weights: torch.Tensor | None = None):

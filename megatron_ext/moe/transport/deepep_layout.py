@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.moe.route_map import RouteMap
+from megatron_ext.moe.transport.base import routes_in_range
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 def build_layout(route: RouteMap, num_ranks: int, capacity: int) -> DeepEPLayout:
     """Send and receive index maps of one route map (all ranks call it on their own map)."""
     num_tokens, topk = route.dest_row.shape
-    kept = route.dest_row >= 0
+    kept = routes_in_range(route, num_ranks, capacity)  # a route outside [0, M) x [0, C) travels nowhere
     flat_kept = kept.reshape(-1)
     slot = route.dest_rank.long().reshape(-1) * capacity + route.dest_row.long().reshape(-1)
     send_key = torch.where(flat_kept, slot, num_ranks * capacity)  # dropped routes after every kept one
@@ -91,5 +92,5 @@ def rows_to_return(buffer: torch.Tensor, layout: DeepEPLayout) -> torch.Tensor:
 def returned_routes(combined: torch.Tensor, layout: DeepEPLayout) -> torch.Tensor:
     """DeepEP combine output in send order [N, H] -> per-route rows [T, K, H], exactly 0 if dropped."""
     num_tokens, topk = layout.route_kept.shape
-    rows = combined.index_select(0, layout.route_send_pos.reshape(-1)).view(num_tokens, topk, -1)
+    rows = combined.index_select(0, layout.route_send_pos.reshape(-1)).view(num_tokens, topk, combined.shape[1])
     return torch.where(layout.route_kept[..., None], rows, 0.0)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_ext.kernels.mxfp8_rows import quantize_packed
 from megatron_ext.moe.peer_failure import named_phase
 from megatron_ext.moe.route_map import RouteMap
-from megatron_ext.moe.transport.base import sum_routes
+from megatron_ext.moe.transport.base import routes_in_range, sum_routes
 
 
 class TorchRowTransport:
@@ -82,10 +82,7 @@ class TorchRowTransport:
         return self._put(probs.float()[..., None], route, phase="dispatch (probabilities)")[:, 0]
 
     def _in_range(self, route: RouteMap) -> torch.Tensor:
-        """[T, K] routes that are kept and inside [0, M) x [0, C): the others move nothing (as the
-        symm kernels mask them), whatever a corrupted route map says."""
-        rank, row = route.dest_rank, route.dest_row
-        return (rank >= 0) & (rank < self.size) & (row >= 0) & (row < self.capacity)
+        return routes_in_range(route, self.size, self.capacity)
 
     def _put(self, rows: torch.Tensor, route: RouteMap, phase: str = "dispatch") -> torch.Tensor:
         """[T, K, W] per-route rows -> this rank's [C, W] buffer: row dest_row of rank dest_rank."""
