@@ -73,9 +73,7 @@ def install_replica_groups(ddp, dense_group, expert_group) -> list[str]:
     Also checks each bucket's gradient scaling equals 1 / |dense_group| (the averaging rule).
     """
     config = ddp.ddp_config
-    if config.num_distributed_optimizer_instances != 1:
-        raise NotImplementedError("install_replica_groups supports num_distributed_optimizer_instances == 1 "
-                                  f"only, got {config.num_distributed_optimizer_instances}")
+    refuse_partial_distributed_optimizer(config)
     report = []
     for label, group, bucket_groups in ((DENSE, dense_group, ddp.bucket_groups),
                                         (EXPERT, expert_group, ddp.expert_parallel_bucket_groups)):
@@ -114,6 +112,16 @@ def _check_scaling(ddp, dense_size: int) -> None:
                     raise ValueError(
                         f"{label} bucket group {i} scales gradients by {effective:.6g}, the averaging rule "
                         f"wants {expected:.6g} (mean over the {dense_size} DP x CP ranks)")
+
+
+def refuse_partial_distributed_optimizer(ddp_config) -> None:
+    """Megatron's partial distributed optimizer (--num-distributed-optimizer-instances > 1) needs its
+    intra- and inter-instance groups, which the folding DDP paths do not build."""
+    instances = ddp_config.num_distributed_optimizer_instances
+    if instances != 1:
+        raise NotImplementedError(f"megatron_ext's folding DDP supports num_distributed_optimizer_instances == 1 "
+                                  f"only (--num-distributed-optimizer-instances), got {instances}: it does not build "
+                                  f"the intra- and inter-instance groups a partial distributed optimizer needs")
 
 
 def ddp_pg_collection(folding_groups):
@@ -248,6 +256,7 @@ class FoldingDistributedDataParallel(_ddp_base()):
         from megatron_ext.ddp.buckets import groups_from_folding
 
         check_megatron_ddp_internals()
+        refuse_partial_distributed_optimizer(ddp_config)
         if pg_collection is None and folding_groups is not None:
             pg_collection = ddp_pg_collection(folding_groups)
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,

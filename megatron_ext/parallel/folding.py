@@ -69,6 +69,11 @@ def _parse_order(order: Any) -> tuple[str, ...]:
     repeated = sorted({t for t in tokens if tokens.count(t) > 1})
     if repeated:
         raise ValueError(f"order {order!r} names {repeated} more than once")
+    if "tp" not in tokens:
+        raise ValueError(
+            f"order {order!r} does not name 'tp': Megatron 0.19.2 inserts its gtp_remat axis into the order, then "
+            f"finds 'tp' inside 'gtp_remat' and never adds the missing axis, so it cannot build the groups; name it "
+            f"(e.g. {'tp-' + order!r}; at size 1 it changes no group)")
     return tokens
 
 

@@ -223,7 +223,11 @@ def estimate_stage(model: ModelShape, mesh: FoldingMesh, precision: Precision, s
 
     p_bytes, g_bytes = DTYPE_BYTES[precision.param_dtype], DTYPE_BYTES[precision.grad_dtype]
     o_bytes = precision.optimizer_bytes_per_param()
-    dense_shards, expert_shards = (mesh.dp * mesh.cp, mesh.edp) if precision.distributed_optimizer else (1, 1)
+    # Megatron shards over DP x CP and EDP divided by --num-distributed-optimizer-instances (each
+    # instance keeps a full copy: distributed_data_parallel.py, intra_dp_cp / intra_expt_dp).
+    instances = mesh.dist_opt_instances
+    dense_shards, expert_shards = ((mesh.dp * mesh.cp // instances, mesh.edp // instances)
+                                   if precision.distributed_optimizer else (1, 1))
     return StageMemory(
         stage=stage, ranks=mesh.ranks_per_stage, dense_layers=dense_layers, moe_layers=moe_layers,
         has_embedding=first, has_output_layer=last, embedding_params=embedding, params=params,
@@ -252,7 +256,10 @@ def render_memory(model: ModelShape, mesh: FoldingMesh, precision: Precision, st
                   gpu_mem_gib: float | None = None) -> str:
     """A text table: one row per pipeline stage (every rank of a stage holds the same bytes)."""
     total, active = model.total_and_active_params()
-    shards = (f"optimizer states sharded over DP*CP = {mesh.dp * mesh.cp} (dense) and EDP = {mesh.edp} (experts)"
+    instances = mesh.dist_opt_instances
+    per_instance = f" per distributed-optimizer instance ({instances} instances)" if instances > 1 else ""
+    shards = (f"optimizer states sharded over DP*CP = {mesh.dp * mesh.cp // instances} (dense) and "
+              f"EDP = {mesh.edp // instances} (experts){per_instance}"
               if precision.distributed_optimizer else "optimizer states not sharded (no distributed optimizer)")
     dense_note = (f"{model.dense_layers} dense with ffn {model.ffn}" if model.dense_layers
                   else "all MoE, --ffn unused")

@@ -357,3 +357,19 @@ def test_replica_check_interval_flag_sets_the_steps_that_are_checked():
     args = add_moe_ext_args(argparse.ArgumentParser()).parse_args(["--moe-ext-replica-check-interval", "-1"])
     with pytest.raises(MoEExtArgumentError, match="--moe-ext-replica-check-interval"):
         ext_config_from_args(args)
+
+
+def test_folding_ddp_refuses_a_partial_distributed_optimizer():
+    """--num-distributed-optimizer-instances > 1 needs intra- and inter-instance groups the folding DDP
+    does not build: both paths refuse it with one message (a review saw Megatron blame a
+    pg_collection the user never built on one path, and a bare NotImplementedError on the other)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_ext.ddp.megatron_hook import FoldingDistributedDataParallel, install_replica_groups
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    message = r"supports num_distributed_optimizer_instances == 1 only \(--num-distributed-optimizer-instances\), got 2"
+    with pytest.raises(NotImplementedError, match=message):
+        FoldingDistributedDataParallel(None, ddp_config, torch.nn.Linear(2, 2), folding_groups=object())
+    with pytest.raises(NotImplementedError, match=message):
+        install_replica_groups(type("DDP", (), {"ddp_config": ddp_config})(), None, None)
