@@ -178,22 +178,13 @@ def test_capture_replay_sees_a_sync_of_another_thread_in_the_backward():
     """The capture's thread_local mode lets the autograd device thread synchronize another stream (a
     review captured such a backward without error); the profiled warm-up step catches it."""
     from megatron_ext.host_sync import HostSyncFound, capture_replay
-
-    class SyncingBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            torch.cuda.default_stream().synchronize()
-            return grad * 2
+    from megatron_ext.testing.sync_probes import doubling_with_backward_action
 
     x = torch.ones(8, device="cuda", requires_grad=True)
 
     def step():
         x.grad = None
-        SyncingBackward.apply(x).sum().backward()
+        doubling_with_backward_action(x, lambda grad: torch.cuda.default_stream().synchronize()).sum().backward()
 
     with pytest.raises(HostSyncFound, match="blocking CUDA calls"):
         capture_replay(step)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_ext.sync_audit import count_host_syncs
+from megatron_ext.testing.sync_probes import doubling_with_backward_action
 
 x = torch.randn(8)
 mask = x > 0
@@ -56,21 +57,10 @@ def test_device_only_work_counts_nothing(case):
     assert audit.count == 0, audit.report()
 
 
-class _MaskInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a):
-        return a * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad[grad > 0]  # a host read in a backward written in Python
-        return grad * 2
-
-
 def test_a_host_read_in_a_backward_counts_and_a_paused_one_does_not():
     a = torch.randn(4, requires_grad=True)
-    with count_host_syncs() as audit:
-        _MaskInBackward.apply(a).sum().backward()
+    with count_host_syncs() as audit:  # a host read in a backward written in Python
+        doubling_with_backward_action(a, lambda grad: grad[grad > 0]).sum().backward()
         with audit.paused():
             x.sum().item()
     assert [name for name, _ in audit.calls] == ["aten.index with a boolean mask"]
