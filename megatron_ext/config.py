@@ -91,7 +91,9 @@ class MoEExtConfig:
         gradients to main_grad inside the weight-gradient GEMM, in fp32, instead of handing DDP a
         16-bit gradient to add (moe/expert_wgrad.py; biases and sizes off 16 bytes keep DDP's add):
         Megatron's gradient_accumulation_fusion contract, with no APEX or Transformer Engine
-        needed. Both dispatchers. False keeps DDP's add.
+        needed, and independent of that flag: the weights' .grad (or torch.autograd.grad's result)
+        is then an unwritten placeholder, the gradient being in main_grad. Both dispatchers.
+        False keeps DDP's add (and a real .grad).
     """
 
     dispatcher: str = "rowwise"

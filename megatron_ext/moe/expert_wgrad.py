@@ -74,4 +74,5 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
     the last offset are not read), as torch's autograd of `torch._grouped_mm` would compute it but
     with the weight gradient formed in the weight's layout (no strided copy into the parameter) and,
     with `fuse`, added to DDP's main_grad (expert_weight_grad)."""
-    return _GroupedLinear.apply(rows, weight, offsets, fuse)
+    # grouped_mm's backward wants row-major operands; a transposed view would fail only there, on the GPU.
+    return _GroupedLinear.apply(rows.contiguous(), weight, offsets, fuse)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from megatron_ext.formats import mxfp8
 from megatron_ext.kernels.mxfp8_rows import dequantize_packed
@@ -80,15 +81,19 @@ class _PayloadFc1(torch.autograd.Function):
         return torch._grouped_mm(expert_input, weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         packed, weight, offsets = ctx.saved_tensors
+        need_input, need_weight = ctx.needs_input_grad[:2]
         grad_out = grad_out.contiguous()
-        expert_input = dequantize_packed(packed, ctx.hidden, ctx.dtype)  # Wgrad from the saved payload
-        # dW = grad_out^T @ input per expert, formed as [L, 2F, H]: the weight's own contiguous
-        # layout. (Forming [L, H, 2F] and transposing made AccumulateGrad copy the whole weight
-        # gradient into the parameter's layout: a 1.7 ms strided copy per layer on the H200.)
-        grad_weight = expert_weight_grad(ctx.weight, grad_out, expert_input, offsets, ctx.wgrad_fusion)
-        grad_input = torch._grouped_mm(grad_out, weight, offs=offsets)
+        grad_weight = None
+        if need_weight:  # a frozen fc1 (main_grad or not) gets nothing added and no flag set
+            expert_input = dequantize_packed(packed, ctx.hidden, ctx.dtype)  # Wgrad from the saved payload
+            # dW = grad_out^T @ input per expert, formed as [L, 2F, H]: the weight's own contiguous
+            # layout. (Forming [L, H, 2F] and transposing made AccumulateGrad copy the whole weight
+            # gradient into the parameter's layout: a 1.7 ms strided copy per layer on the H200.)
+            grad_weight = expert_weight_grad(ctx.weight, grad_out, expert_input, offsets, ctx.wgrad_fusion)
+        grad_input = torch._grouped_mm(grad_out, weight, offs=offsets) if need_input else None
         return grad_input, grad_weight, None, None, None
 
 

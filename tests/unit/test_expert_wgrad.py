@@ -279,3 +279,65 @@ def test_kernel_arguments_are_checked_before_any_launch(change, message):
     arguments.update(change)
     with pytest.raises(ValueError, match=message):
         accumulate_grouped_wgrad(**arguments)
+
+
+def _mxfp8_payload(rows: torch.Tensor):
+    from megatron_ext.formats import mxfp8
+    from megatron_ext.moe.mxfp8_dispatch import MXFP8Payload
+
+    return MXFP8Payload(mxfp8.pack_rows(mxfp8.quantize_rows(rows)), rows.shape[1], rows.dtype)
+
+
+@pytest.mark.parametrize("fc1_trains", [True, False], ids=["trained", "frozen"])
+def test_mxfp8_payload_fc1_under_ddp_equals_the_dequantized_gemm(fc1_trains):
+    """The MXFP8 up-projection's node: its input gradient and main_grad against torch's autograd of
+    the GEMM on the dequantized payload; a frozen fc1 with a main_grad gets nothing added and no flag
+    (its backward once formed and added a weight gradient nobody asked for)."""
+    from megatron_ext.kernels.mxfp8_rows import dequantize_packed
+    from megatron_ext.moe.mxfp8_dispatch import payload_fc1
+
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.randn(CAPACITY, 32, generator=gen).bfloat16()  # hidden 32: one MXFP8 block per row
+    grad_out = torch.randn(CAPACITY, FFN, generator=gen).bfloat16()
+    weight = (torch.randn(EXPERTS, FFN, rows.shape[1], generator=gen) * 0.3).bfloat16()
+    offsets = torch.cumsum(expert_counts(EXPERTS, VALID, seed=13, empty=(2,)), 0, dtype=torch.int32)
+    payload = _mxfp8_payload(rows)
+    dequantized = dequantize_packed(payload.packed, payload.hidden, payload.dtype)
+    want_rows, want_weight = dequantized.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    torch._grouped_mm(want_rows, want_weight.transpose(1, 2), offs=offsets)[:VALID].backward(grad_out[:VALID])
+
+    fc1 = weight.clone().requires_grad_(fc1_trains)
+    if fc1_trains:
+        attach_main_grads([fc1])
+    else:  # frozen after DDP built its buffers: the main_grad stays, the hook is never called
+        fc1.main_grad, fc1.grad_added_to_main_grad = torch.zeros(fc1.shape), False
+    anchor = torch.zeros((), dtype=rows.dtype).expand(*rows.shape).requires_grad_(True)
+    out = payload_fc1(anchor, fc1, offsets, payload, wgrad_fusion=True)
+    want_out = torch._grouped_mm(dequantized, weight.transpose(1, 2), offs=offsets)
+    torch.testing.assert_close(out[:VALID], want_out[:VALID])
+    out[:VALID].backward(grad_out[:VALID])
+    torch.testing.assert_close(anchor.grad[:VALID], want_rows.grad[:VALID])
+    if fc1_trains:
+        assert fc1.grad is None and fc1.grad_added_to_main_grad
+        torch.testing.assert_close(fc1.main_grad, want_weight.grad.float(), rtol=1e-2, atol=1e-2)
+    else:
+        assert not fc1.grad_added_to_main_grad and torch.equal(fc1.main_grad, torch.zeros_like(fc1.main_grad))
+
+
+def test_grouped_linear_takes_a_transposed_view():
+    """A column-major view of the rows (a transposed activation) is made contiguous before the node:
+    the grouped GEMM's backward refuses it, on the GPU only."""
+    gen = torch.Generator().manual_seed(14)
+    rows_t = torch.randn(HIDDEN, CAPACITY, generator=gen)
+    weight = torch.randn(EXPERTS, FFN, HIDDEN, generator=gen, requires_grad=True)
+    offsets = torch.cumsum(expert_counts(EXPERTS, VALID, seed=15), 0, dtype=torch.int32)
+    rows = rows_t.t().requires_grad_(True)
+    assert not rows.is_contiguous()
+    out = grouped_linear(rows, weight, offsets, fuse=False)
+    ctx_rows = out.grad_fn.saved_tensors[0]
+    assert ctx_rows.is_contiguous()
+    out[:VALID].sum().backward()
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        torch.testing.assert_close(rows.grad[start:end], weight[expert].detach().sum(0).expand(end - start, HIDDEN))
+        start = end
