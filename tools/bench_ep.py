@@ -49,9 +49,12 @@ What is measured, per path, after warm-up (medians over all ranks and iterations
   outputs to the last gradient leaving its inputs (disjoint stretches summed). Events sit on
   the compute stream, so host stalls inside a phase (Megatron's split-size synchronization)
   count, as they do in training. The JSON's phases_ms also has the whole step time of those
-  same iterations ("layer"), of which dispatch+combine is a part.
+  same iterations ("layer"), of which dispatch+combine is a part. The table's dispatch+combine
+  is the sum of the four phase medians (forward and backward of each), so the columns add up
+  to it; the JSON also keeps the median of the per-iteration sums.
 - model TFLOP/s per GPU: useful routed-token expert FLOPs of this rank's tokens (tokens * top-k
-  rows, fc1 + fc2, forward+backward = 3x forward; capacity padding not counted) / layer time.
+  rows less the routes dropped, fc1 + fc2, forward+backward = 3x forward; capacity padding not
+  counted) / layer time. Rows with drops are marked in the table's dropped column.
 - peak memory: the highest allocation during one step, above what was allocated before it
 - held memory: what one forward leaves allocated for its backward (buffers and saved tensors;
   summed over a model's MoE layers, this is what bounded dropless is sized against)
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
     outputs, rows = Outputs(), []
     for path in args.paths.split(","):
         per_rank = gather_to_all(run_path_guarded(path, shape, args, ranks, x, grad_out, outputs))
-        row = summarize(per_rank, flops)
+        row = summarize(per_rank, flops, routes=shape.tokens * shape.topk)
         rows.append(row)
         if ranks.rank == 0:
             brief = {k: v for k, v in row.items() if k not in ("phases_ms", "routing_digests")}

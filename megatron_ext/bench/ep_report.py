@@ -6,12 +6,22 @@ from __future__ import annotations
 
 from megatron_ext.bench.ep_distributed import median
 from megatron_ext.bench.ep_paths import Shape
+from megatron_ext.bench.flops import credited_flops
 
 TARGET_SHORTER = 0.35  # issue 11: rowwise symm dispatch+combine at least 35% shorter than Megatron's
 
 
-def summarize(per_rank: list[dict], flops: int) -> dict:
-    """One path's row from every rank's measurements."""
+PHASES = ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd")
+
+
+def summarize(per_rank: list[dict], flops: int, routes: int | None = None) -> dict:
+    """One path's row from every rank's measurements.
+
+    `flops`: one rank's work with all of its `routes` (tokens x top-k) kept; a path that dropped
+    routes is credited only the kept ones (`credited_flops`), so its TFLOP/s is not inflated by
+    work it did not do. The phase columns are medians over ranks and iterations, and
+    `dispatch_combine_ms` is their sum, so the columns add up to the total the ratios use (the
+    median of the per-iteration sums is kept beside it as `dispatch_combine_median_of_sums_ms`)."""
     first = per_rank[0]
     for key in ("unavailable", "error"):
         reasons = {r.get(key) for r in per_rank if r.get(key)}
@@ -21,11 +31,24 @@ def summarize(per_rank: list[dict], flops: int) -> dict:
     layer_ms = [ms for r in per_rank for ms in r["layer_ms"]]
     row["layer_fwd_bwd_ms"] = median(layer_ms)
     row["layer_fwd_bwd_ms_slowest_rank"] = max(median(r["layer_ms"]) for r in per_rank)
-    row["tflops_per_gpu"] = flops / row["layer_fwd_bwd_ms"] / 1e9
+    credited = flops
+    if "dropped_routes_per_step" in first:
+        dropped_per_rank = sum(r["dropped_routes_per_step"] for r in per_rank) / len(per_rank)
+        if routes is not None:
+            credited = credited_flops(flops, routes, dropped_per_rank)
+    row["credited_flops_per_rank_step"] = credited
+    row["tflops_per_gpu"] = credited / row["layer_fwd_bwd_ms"] / 1e9
     if "phases" in first:
         keys = first["phases"][0].keys()
         row["phases_ms"] = {k: median(it[k] for r in per_rank for it in r["phases"]) for k in keys}
-        row["dispatch_combine_ms"] = row["phases_ms"]["dispatch_combine"]
+        if all(k in row["phases_ms"] for k in PHASES):
+            row["dispatch_combine_ms"] = sum(row["phases_ms"][k] for k in PHASES)
+        else:
+            row["dispatch_combine_ms"] = row["phases_ms"]["dispatch_combine"]
+        if "dispatch_combine" in row["phases_ms"]:
+            row["dispatch_combine_median_of_sums_ms"] = row["phases_ms"]["dispatch_combine"]
+        if "layer" in row["phases_ms"]:  # the phase-timed iterations' whole step: the timers' own cost shows here
+            row["layer_fwd_bwd_ms_phase_timed"] = row["phases_ms"]["layer"]
     memories = [r["memory"] for r in per_rank if r.get("memory")]
     if memories:
         row["peak_above_baseline_bytes_max_rank"] = max(m["peak_above_baseline_bytes"] for m in memories)
@@ -98,6 +121,9 @@ def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes
     print(f"\nEP{world} MoE layer, {world} ranks: {shape.sequences} x {shape.seq_length} = {shape.tokens} tokens "
           f"per rank, {shape.experts} experts, top-{shape.topk}, hidden {shape.hidden}, expert ffn {shape.ffn} "
           f"(SwiGLU); medians over ranks and iterations; same routes on every path: {routes_equal}")
+    print("disp+comb ms: the sum of the four phase medians beside it (phases timed in separate iterations from "
+          "fwd+bwd ms); dropped: routes dropped per step, all ranks (* marks rows with drops); TFLOP/s "
+          "credits only the kept routes")
     header = (f"{'path':22s} {'fwd+bwd ms':>10s} {'disp+comb ms':>12s} {'disp f/b ms':>13s} {'comb f/b ms':>13s} "
               f"{'TFLOP/s':>8s} {'peak+ MiB':>9s} {'held MiB':>8s} {'syncs':>5s} {'dropped':>8s} {'out diff':>8s} "
               f"{'row B':>6s}")
@@ -112,11 +138,12 @@ def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes
         comb = (f"{phases['combine_fwd']:.2f}/{phases['combine_bwd']:.2f}" if phases else "-")
         peak = r.get("peak_above_baseline_bytes_max_rank")
         held = r.get("held_for_backward_bytes_max_rank")
+        dropped = r.get("dropped_routes_per_step_all_ranks")
         print(f"{r['path']:22s} {r['layer_fwd_bwd_ms']:10.2f} {_fmt(r.get('dispatch_combine_ms'), '12.2f'):>12s} "
               f"{disp:>13s} {comb:>13s} {r['tflops_per_gpu']:8.1f} {_fmt(peak and peak / 2**20, '9.0f'):>9s} "
               f"{_fmt(held and held / 2**20, '8.0f'):>8s} "
               f"{_fmt(r.get('blocking_cuda_calls_max_rank'), 'd'):>5s} "
-              f"{_fmt(r.get('dropped_routes_per_step_all_ranks'), '.0f'):>8s} "
+              f"{_fmt(dropped, '.0f'):>8s}{'*' if dropped else ' '}"
               f"{_fmt(r.get('out_rel_diff_vs_first_path_max_rank'), '.1e'):>8s} "
               f"{_fmt(r.get('dispatch_row_bytes'), 'd'):>6s}")
     for name, value in ratios.items():

@@ -281,3 +281,43 @@ def test_mxfp8_vs_bf16_ratios():
     mx = {"path": "rowwise_symm_mxfp8", "dispatch_buffer_bytes": 516, "phases_ms": {"dispatch_fwd": 1.5}}
     assert mxfp8_vs_bf16([bf16, mx]) == {"buffer_bytes_ratio": 0.516, "dispatch_fwd_ratio": 0.75}
     assert mxfp8_vs_bf16([bf16, {"path": "rowwise_symm_mxfp8", "unavailable": "x"}]) == {}
+
+
+def test_dropped_routes_are_not_credited_as_work():
+    """A path that dropped routes is credited T*K minus the dropped routes, not T*K."""
+    from megatron_ext.bench.ep_report import summarize
+    from megatron_ext.bench.flops import credited_flops, moe_model_flops
+
+    def rank(dropped):
+        return {"path": "rowwise_symm", "routing_digest": "a", "layer_ms": [2.0], "memory": None,
+                "blocking_cuda_calls": 0, "out_rel_diff_vs_first_path": None, "dropped_routes_per_step": dropped,
+                "mean_buffer_fill": 1.0, "capacity_rows": 16}
+
+    tokens, topk = 64, 2
+    flops = moe_model_flops(tokens, topk, hidden=32, ffn=16)
+    assert credited_flops(flops, tokens * topk, 0) == flops
+    assert moe_model_flops(tokens - 8, topk, hidden=32, ffn=16) == credited_flops(flops, tokens * topk, 16)
+    row = summarize([rank(16), rank(0)], flops, routes=tokens * topk)  # 8 routes dropped per rank on average
+    assert row["dropped_routes_per_step_all_ranks"] == 16
+    assert row["credited_flops_per_rank_step"] == pytest.approx(flops * (128 - 8) / 128)
+    assert row["tflops_per_gpu"] == pytest.approx(flops * (128 - 8) / 128 / 2.0 / 1e9)
+    kept = summarize([rank(0), rank(0)], flops, routes=tokens * topk)
+    assert kept["tflops_per_gpu"] == pytest.approx(flops / 2.0 / 1e9)
+    with pytest.raises(ValueError):
+        credited_flops(flops, 10, 11)
+
+
+def test_dispatch_combine_total_is_the_sum_of_the_phase_columns():
+    """The total the ratios use is the sum of the phase medians the table prints beside it, not
+    the median of per-iteration sums (which differ when the iterations are skewed)."""
+    from megatron_ext.bench.ep_report import summarize
+
+    iterations = [(1.0, 1.0, 1.0, 1.0), (1.0, 5.0, 1.0, 5.0), (3.0, 1.0, 3.0, 1.0)]
+    phases = [{"dispatch_fwd": a, "dispatch_bwd": b, "combine_fwd": c, "combine_bwd": d,
+               "dispatch_combine": a + b + c + d, "layer": 10.0 + a + b + c + d} for a, b, c, d in iterations]
+    row = summarize([{"path": "megatron_alltoall", "routing_digest": "a", "layer_ms": [9.0], "memory": None,
+                      "blocking_cuda_calls": 0, "out_rel_diff_vs_first_path": None, "phases": phases}], flops=1)
+    columns = sum(row["phases_ms"][k] for k in ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd"))
+    assert columns == 4.0 and row["dispatch_combine_ms"] == columns
+    assert row["dispatch_combine_median_of_sums_ms"] == 8.0  # kept beside it, not used for the ratios
+    assert row["layer_fwd_bwd_ms_phase_timed"] == 18.0 and row["layer_fwd_bwd_ms"] == 9.0
