@@ -39,7 +39,7 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
 from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_after, host_time_ms, interleaved_ms,
-                                            median, peak_memory)
+                                            median, peak_memory, ratio_in_rounds, ratio_text)
 from megatron_ext.bench.results import write_result
 from megatron_ext.testing.megatron_moe import load_weights, moe_config
 from megatron_ext.testing.moe_stack import stack_forward
@@ -204,17 +204,20 @@ def main():
     print(f"\n{args.layers} layers x ({args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden "
           f"{args.hidden}, ffn {args.ffn}), bf16, EP={world}, in turns ({args.rounds} rounds; memory: the largest "
           f"rank's)")
-    print(f"{'path':20s} {'device ms':>10s} {'min..max':>16s} {'vs per_layer':>12s} {'%dense':>7s} {'host ms':>8s} "
+    print(f"{'path':20s} {'device ms':>10s} {'min..max':>16s} {'vs per_layer (rounds)':>26s} {'%dense':>7s} "
+          f"{'host ms':>8s} "
           f"{'held+buffers MiB':>17s} {'peak MiB':>9s} {'syncs':>6s}")
-    base = timed["per_layer"]["median_ms"] if "per_layer" in timed else None
+    base = "per_layer" in timed
     for row in rows:
         t = timed[row["path"]]
         row.update(device_ms=t["median_ms"], device_min_ms=t["min_ms"], device_max_ms=t["max_ms"],
                    pct_dense_gemm=100 / t["ratio_to_dense_gemm"])
-        vs = f"x{t['median_ms'] / base:.3f}" if base else "-"
+        if base:  # the median of per-round ratios, with their min..max
+            row["vs_per_layer"] = ratio_in_rounds(timed, row["path"], "per_layer")
+        vs = ratio_text(timed, row["path"], "per_layer") if base else "-"
         held = row.get("held_for_backward_bytes")
         held = None if held is None else held + row["buffer_bytes"]
-        print(f"{row['path']:20s} {t['median_ms']:10.3f} {t['min_ms']:7.3f}..{t['max_ms']:7.3f} {vs:>12s} "
+        print(f"{row['path']:20s} {t['median_ms']:10.3f} {t['min_ms']:7.3f}..{t['max_ms']:7.3f} {vs:>26s} "
               f"{row['pct_dense_gemm']:6.1f}% {row['host_ms']:8.2f} "
               f"{'-' if held is None else f'{held / 2**20:.0f}':>17s} {row['peak_above_baseline_bytes'] / 2**20:9.0f} "
               f"{row.get('blocking_cuda_calls', '-')!s:>6s}")

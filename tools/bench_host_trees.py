@@ -22,7 +22,7 @@ import torch
 from megatron_ext.bench.cli_types import positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
-from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, interleaved_ms, make_step
+from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, interleaved_ms, make_step, ratio_text
 from megatron_ext.bench.results import write_result
 from megatron_ext.bench.tree_copy import import_tree
 from megatron_ext.testing.megatron_moe import moe_config
@@ -93,7 +93,8 @@ def main():
     for label, table in (("host", host), ("device", device)):
         for name, figures in (table or {}).items():
             print(f"  {label:6s} {name:10s} {figures['median_ms']:7.3f} ms ({figures['min_ms']:.3f}.."
-                  f"{figures['max_ms']:.3f})  x{figures['ratio_to_baseline']:.3f} of the baseline")
+                  f"{figures['max_ms']:.3f})  {ratio_text(table, name, 'baseline')} of the baseline "
+                  "(median, min..max of per-round ratios)")
     print("wrote", write_result(args.name, {"args": vars(args), "bitwise_equal": bitwise,
                                             "max_difference": max_diff, "host": host, "device": device}))
 

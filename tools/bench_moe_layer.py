@@ -25,6 +25,11 @@ device time, so eager and graphed are compared on the same clocks, with dense GE
 step's FLOPs timed first in every round as the reference of their share of the dense rate.
 `--host-census rowwise_symm` times the layer's own functions inside the step (an op costs several
 times more there than in a loop).
+`--grads param` (the default, and every result before this option) hands the weight gradients to
+`param.grad`; `--grads ddp` gives every parameter Megatron DDP's main_grad protocol, so the
+grouped experts add theirs into fp32 main_grad inside their weight-gradient GEMM, the path
+training takes (megatron_ext.testing.ddp_main_grads). "% of dense" differs between the two; the
+JSON records the choice. TFLOP/s credits only the routes kept (tokens x top-k less the dropped).
 
     python tools/bench_moe_layer.py [--tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
 """
@@ -38,10 +43,10 @@ import torch
 
 from megatron_ext.bench.cli_types import names_from
 from megatron_ext.bench.cuda_required import require_cuda
-from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.flops import credited_flops, moe_model_flops
 from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.bench.kernel_profile import profile_kernels
-from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_for_backward, host_time_ms,
+from megatron_ext.bench.measurement import (GRADS, cuda_time_ms, dense_gemm_step, held_for_backward, host_time_ms,
                                             make_step, median, peak_memory)
 from megatron_ext.bench.results import write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config
@@ -113,15 +118,14 @@ def measure(path, args, weights, x, grad_out, flops):
     from megatron_ext.host_sync import capture_replay, profiled_sync_calls
 
     layer = build(path, args, weights)
-    step = make_step(layer, x, grad_out)  # on its own copy of x that requires grad
-    result = {"path": path}
+    step = make_step(layer, x, grad_out, grads=args.grads)  # on its own copy of x that requires grad
+    result = {"path": path, "grads": args.grads}
     if path.endswith("_graph"):
         graph, _ = capture_replay(step)
         step = graph.replay
     step()
     times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
     result["fwd_bwd_ms"] = median(times)
-    result["tflops"] = flops / result["fwd_bwd_ms"] / 1e9
     result["host_submit_ms"] = median(host_time_ms(step, warmup=2, iters=args.iters))
     result["memory"] = peak_memory(step)
     if not path.endswith("_graph"):
@@ -148,6 +152,9 @@ def measure(path, args, weights, x, grad_out, flops):
             result["capacity_rows"] = metrics["capacity"]
             result["dispatch_buffer_bytes"] = metrics["dispatch_buffer_bytes"]
             result["dispatched_bytes_per_step"] = metrics["dispatched_bytes_per_step"]
+    routes = args.tokens * args.topk  # a dropped route is no work done: not credited
+    result["credited_flops"] = credited_flops(flops, routes, result.get("dropped_routes_per_step", 0.0))
+    result["tflops"] = result["credited_flops"] / result["fwd_bwd_ms"] / 1e9
     del layer
     torch.cuda.empty_cache()
     return result
@@ -158,14 +165,14 @@ def interleaved_ab(args, weights, x, grad_out, paths: str, device: bool, flops: 
     `paths`, all layers alive and graph paths captured, measured in turns (measurement.interleaved_ms).
     Device time also times, first in every round, dense GEMMs doing the layer step's FLOPs, so each
     path's share of the dense rate compares the two under the same clocks (`pct_dense_gemm`)."""
-    from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, interleaved_ms
+    from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, interleaved_ms, ratio_text
     from megatron_ext.host_sync import capture_replay
 
     steps = {}
     if device:  # the dense reference in the same turns: a GPU's clocks follow its power and temperature
         steps[DENSE], _ = dense_gemm_step(flops, args.hidden, calls=3)
     for path in paths.split(","):
-        step = make_step(build(path, args, weights), x, grad_out)
+        step = make_step(build(path, args, weights), x, grad_out, grads=args.grads)
         steps[path] = capture_replay(step)[0].replay if path.endswith("_graph") else step
     for step in steps.values():
         step()
@@ -178,13 +185,14 @@ def interleaved_ab(args, weights, x, grad_out, paths: str, device: bool, flops: 
         spread = f"{figures['min_ms']:.3f}..{figures['max_ms']:.3f}"
         share = f", {figures['pct_dense_gemm']:5.1f}% of the dense rate" if device else ""
         print(f"  {'device' if device else 'host'} A/B: {path:30s} {figures['median_ms']:7.3f} ms ({spread})"
-              f"  x{figures['ratio_to_' + first]:.3f} of {first}{share}", flush=True)
+              f"  {ratio_text(result, path, first)} of {first} (median, min..max of per-round ratios){share}",
+              flush=True)
     del steps
     torch.cuda.empty_cache()
     return result
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layer_shape_args(parser)
     parser.add_argument("--dropless", action="store_true")
@@ -208,8 +216,16 @@ def main():
                         help="comma-separated paths whose device time (fwd+bwd) is also measured in turns, all "
                              "layers alive, over --device-rounds rounds (ratios to the first path per round)")
     parser.add_argument("--device-rounds", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--grads", choices=GRADS, default="param",
+                        help="where the weight gradients go: param (param.grad, each step's own) or ddp (Megatron "
+                             "DDP's fp32 main_grad protocol: the grouped experts' fused wgrad path, as in training)")
+    args = parser.parse_args(argv)
     check_layer_shape(parser, args)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     require_cuda("tools/bench_moe_layer.py")
     init_single_rank_megatron()
     weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=0, dtype=torch.bfloat16)
@@ -256,7 +272,7 @@ def main():
     device_ab = interleaved_ab(args, weights, x, grad_out, args.device_ab, True, flops) if args.device_ab else None
     base = next((r["fwd_bwd_ms"] for r in rows if r["path"] == "megatron_alltoall" and "fwd_bwd_ms" in r), None)
     print(f"\nshape: {args.tokens} tokens, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
-          f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s")
+          f"ffn {args.ffn}, bf16; dense bf16 GEMM {dense:.0f} TFLOP/s; weight gradients: --grads {args.grads}")
     print(f"{'path':22s} {'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {'%dense':>7s} {'speedup':>8s} {'host ms':>8s} "
           f"{'syncs':>6s} {'peak MiB':>9s} {'held MiB':>9s}")
     for r in rows:
@@ -271,8 +287,9 @@ def main():
         speed = f"{r['speedup_vs_megatron']:.2f}x" if base else "-"
         print(f"{r['path']:22s} {r['fwd_bwd_ms']:10.2f} {r['tflops']:8.0f} {r['pct_dense_gemm']:6.0f}% {speed:>8s} "
               f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f} {held:>9s}")
-    path = write_result(args.name, {"args": vars(args), "dense_gemm_tflops": dense, "host_unit_costs_us": unit_costs,
-                                         "rows": rows, "host_ab": host_ab, "device_ab": device_ab})
+    path = write_result(args.name, {"args": vars(args), "grads": args.grads, "dense_gemm_tflops": dense,
+                                    "host_unit_costs_us": unit_costs,
+                                    "rows": rows, "host_ab": host_ab, "device_ab": device_ab})
     print(f"wrote {path}")
 
 

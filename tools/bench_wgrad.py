@@ -20,7 +20,7 @@ import torch
 
 from megatron_ext.bench.cli_types import list_of, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
-from megatron_ext.bench.measurement import cuda_time_ms, interleaved_ms
+from megatron_ext.bench.measurement import cuda_time_ms, interleaved_ms, ratio_in_rounds
 from megatron_ext.bench.results import write_result
 from megatron_ext.kernels.grouped_wgrad import DEFAULT_TILES, WgradTiles, accumulate_grouped_wgrad
 
@@ -119,12 +119,14 @@ def main():
     flops = 2 * routed * hidden * 3 * ffn  # per routed row: fc1 2F x H and fc2 H x F multiply-adds
     print(f"\n{args.tokens} tokens x top-{args.topk}, {experts} experts, hidden {hidden}, ffn {ffn}, skew {args.skew}, "
           f"{args.main_grad_dtype} main_grad")
-    print(f"{'path':34s} {'ms (min..max)':>22s} {'x today':>8s} {'TFLOP/s':>8s}")
+    print(f"{'path':34s} {'ms (min..max)':>22s} {'x today (per-round min..max)':>28s} {'TFLOP/s':>8s}")
     base = "grouped_mm + add"
     for name, timing in timings.items():
-        ratio = timing["median_ms"] / timings[base]["median_ms"]
+        ratio = ratio_in_rounds(timings, name, base)  # the median of per-round ratios, not of medians
+        timing["ratio_to_today"] = ratio
+        spread = f"{ratio['ratio']:.3f} ({ratio['min']:.3f}..{ratio['max']:.3f})"
         print(f"{name:34s} {timing['median_ms']:8.3f} ({timing['min_ms']:.3f}..{timing['max_ms']:.3f}) "
-              f"{ratio:8.3f} {flops / timing['median_ms'] / 1e9:8.0f}")
+              f"{spread:>28s} {flops / timing['median_ms'] / 1e9:8.0f}")
     print("wrote", write_result(args.name, {"args": vars(args), "max_relative_error": worst,
                                             "timings": timings, "flops": flops}))
 

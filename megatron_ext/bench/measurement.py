@@ -69,7 +69,8 @@ def interleaved_ms(steps: dict[str, Callable[[], object]], rounds: int, iters: i
     minutes; a GPU's clocks follow its temperature) charges the drift to every step alike.
     `timer`: host_time_ms (submission) or cuda_time_ms (device). Returns per step: the median
     over rounds, min..max, and the median over rounds of its ratio to the first step of the
-    same round (the A/B figure)."""
+    same round (the A/B figure) with that ratio's min..max over the rounds, and each round's time
+    (`round_ms`, for ratios to another step: `ratio_in_rounds`; print them with `ratio_text`)."""
     if rounds < 1 or iters < 1:
         raise ValueError(f"rounds and iters must be >= 1, got {rounds} and {iters}")
     names = list(steps)
@@ -78,9 +79,28 @@ def interleaved_ms(steps: dict[str, Callable[[], object]], rounds: int, iters: i
         for name in names:
             per_round[name].append(median(timer(steps[name], warmup=1, iters=iters)))
     first = per_round[names[0]]
-    return {name: {"median_ms": median(times), "min_ms": min(times), "max_ms": max(times), "rounds": rounds,
-                   f"ratio_to_{names[0]}": median(t / f for t, f in zip(times, first))}
-            for name, times in per_round.items()}
+    result = {}
+    for name, times in per_round.items():
+        ratios = [t / f for t, f in zip(times, first)]
+        result[name] = {"median_ms": median(times), "min_ms": min(times), "max_ms": max(times), "rounds": rounds,
+                        "round_ms": list(times),
+                        f"ratio_to_{names[0]}": median(ratios), f"ratio_min_to_{names[0]}": min(ratios),
+                        f"ratio_max_to_{names[0]}": max(ratios)}
+    return result
+
+
+def ratio_in_rounds(result: dict, name: str, base: str) -> dict:
+    """`name`'s time over `base`'s in each round of an interleaved_ms result: the median of the
+    per-round ratios and their min..max (not the ratio of the two medians)."""
+    ratios = [t / b for t, b in zip(result[name]["round_ms"], result[base]["round_ms"])]
+    return {"ratio": median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}
+
+
+def ratio_text(result: dict, name: str, base: str) -> str:
+    """`name` against `base` in an interleaved_ms result, as printed: 'x1.033 (0.990..1.050)', the
+    median of the per-round ratios and their min..max."""
+    figures = ratio_in_rounds(result, name, base)
+    return f"x{figures['ratio']:.3f} ({figures['min']:.3f}..{figures['max']:.3f})"
 
 
 def peak_memory(fn: Callable[[], object]) -> dict | None:
@@ -134,16 +154,38 @@ def held_for_backward(layer, x, grad_out) -> int:
     return alive - (torch.cuda.memory_allocated() - before)
 
 
-def make_step(layer, x, grad_out):
-    """One forward+backward of `layer` on its own copy of `x` (requires grad); parameter and input
-    grads are reset to None first, so that a step does the layer's own work only."""
+GRADS = ("param", "ddp")  # how make_step receives the parameters' gradients
+
+
+def make_step(layer, x, grad_out, grads: str = "param"):
+    """One forward+backward of `layer` on its own copy of `x` (requires grad).
+
+    grads="param": parameter and input grads are reset to None first, so that a step does the
+    layer's own work only and each weight gradient lands in `param.grad`. grads="ddp": every
+    parameter of the layer gets Megatron DDP's main_grad protocol (an fp32 `main_grad`, the
+    `grad_added_to_main_grad` flag and DDP's add hook: megatron_ext.testing.ddp_main_grads), zeroed
+    before each step as DDP's zero_grad_buffer does; the grouped experts then add their weight
+    gradients into main_grad inside their GEMM (the fused path training runs), and other
+    parameters' gradients are added by the hook."""
+    if grads not in GRADS:
+        raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
     params = list(layer.parameters())
     x = x.clone().requires_grad_(True)
+    if grads == "ddp":
+        from megatron_ext.testing.ddp_main_grads import attach_main_grads, zero_main_grads
+
+        attach_main_grads(params)
+
+        def reset():
+            zero_main_grads(params)
+    else:
+        def reset():
+            for param in params:  # the layer's own work only: no gradient accumulation adds
+                param.grad = None
 
     def step():
         x.grad = None
-        for param in params:  # the layer's own work only: no gradient accumulation adds
-            param.grad = None
+        reset()
         out, _ = layer(x)
         out.backward(grad_out)
         return out

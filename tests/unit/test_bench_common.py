@@ -214,3 +214,56 @@ def test_bench_graphs_clock_figures_give_energy_per_step():
     assert figures["energy_mj_per_step"] == 680.0 * 5.5
     unsampled = clock_figures([{"samples": 0}], step_ms=5.5)
     assert unsampled["power_w"] is None and unsampled["energy_mj_per_step"] is None
+
+
+def test_interleaved_ms_reports_the_spread_of_per_round_ratios():
+    """The A/B figure is the median of per-round ratios, printed with their min..max, and a ratio
+    to a step other than the first is also taken round by round (not as a ratio of medians)."""
+    from megatron_ext.bench.measurement import interleaved_ms, ratio_in_rounds, ratio_text
+
+    times = iter([10.0, 8.0, 9.0, 12.0, 12.0, 13.0, 10.0, 11.0, 9.0])  # rounds of (a, b, c)
+
+    def timer(step, warmup, iters):
+        return [next(times)]
+
+    result = interleaved_ms({"a": None, "b": None, "c": None}, rounds=3, iters=1, timer=timer)
+    assert result["b"]["round_ms"] == [8.0, 12.0, 11.0]
+    assert result["b"]["ratio_to_a"] == 1.0
+    assert (result["b"]["ratio_min_to_a"], result["b"]["ratio_max_to_a"]) == (0.8, 1.1)
+    c_over_b = ratio_in_rounds(result, "c", "b")
+    assert c_over_b["ratio"] == 13.0 / 12.0 and (c_over_b["min"], c_over_b["max"]) == (9.0 / 11.0, 9.0 / 8.0)
+    assert c_over_b["ratio"] != result["c"]["median_ms"] / result["b"]["median_ms"]
+    assert ratio_text(result, "b", "a") == "x1.000 (0.800..1.100)"
+
+
+def test_make_step_ddp_grads_follow_megatrons_main_grad_protocol():
+    """grads="ddp": gradients land in fp32 main_grad (zeroed each step, as DDP's buffer is), .grad
+    stays empty; grads="param": in .grad, reset each step."""
+    import pytest
+
+    from megatron_ext.bench.measurement import make_step
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4, bias=False)
+
+        def forward(self, x):
+            return self.linear(x), None
+
+    torch.manual_seed(0)
+    x, grad_out = torch.randn(3, 4), torch.randn(3, 4)
+    expected = grad_out.t() @ x
+    layer = Layer()
+    step = make_step(layer, x, grad_out, grads="ddp")
+    step()
+    step()
+    weight = layer.linear.weight
+    assert weight.grad is None and weight.main_grad.dtype == torch.float32
+    torch.testing.assert_close(weight.main_grad, expected)  # one step's gradient, not two
+    plain = Layer()
+    make_step(plain, x, grad_out)()
+    assert not hasattr(plain.linear.weight, "main_grad")
+    torch.testing.assert_close(plain.linear.weight.grad, expected)
+    with pytest.raises(ValueError, match="grads must be one of"):
+        make_step(plain, x, grad_out, grads="fsdp")
