@@ -69,3 +69,16 @@ def test_bench_training_repeats_give_the_median_and_spread_and_a_failed_run_fail
     assert (combined["iteration_time_min_s"], combined["iteration_time_max_s"]) == (0.3, 0.5)
     failed = BENCH["combine_runs"]([runs[0], {"failed": "exit 1"}])
     assert failed["failed"] == "exit 1" and "iteration_time_s" not in failed
+
+
+def test_bench_training_speedup_is_the_median_of_per_round_ratios():
+    """Round i of each variant ran back to back: the speedup is the median of per-round ratios,
+    with their min..max, not the ratio of the two medians; a failed round is left out."""
+    megatron = [{"iteration_time_s": t} for t in (0.83, 0.78, 1.03)]
+    graphs = [{"iteration_time_s": t} for t in (0.1436, 0.1437, 0.1492)]
+    spread = BENCH["per_round_speedup"](megatron, graphs)
+    ratios = sorted(m["iteration_time_s"] / g["iteration_time_s"] for m, g in zip(megatron, graphs))
+    assert spread == {"median": ratios[1], "min": ratios[0], "max": ratios[2], "rounds": 3}
+    assert spread["median"] != pytest.approx(0.83 / 0.1437)  # the ratio of the medians
+    assert BENCH["per_round_speedup"](megatron, [graphs[0], {"failed": "exit 1"}])["rounds"] == 1
+    assert BENCH["per_round_speedup"]([], graphs) is None
