@@ -85,8 +85,10 @@ class MoEExtConfig:
         group's own timeout (--distributed-timeout-minutes): refused with transport="torch".
     pin_host_threads: keep the threads that submit the layer's work (the main thread, PyTorch's
         autograd thread) on one CPU core, this rank's share of its allowed cores
-        (megatron_ext/host_affinity.py; Linux). On the lent H200 hosts the eager layer's host time fell
-        9-22%; the training bench's step time did not change (BENCHMARKS.md, eighth session).
+        (megatron_ext/host_affinity.py; Linux). In the one kept run timed in turns the eager layer's
+        host time fell 9% (x0.91, per-round 0.79..1.21, bench/results/host_affinity_20261202-011631.json;
+        a later short run measured x1.07); the training bench's step time did not change
+        (BENCHMARKS.md, eighth session).
     expert_wgrad_fusion: under Megatron's DDP, the grouped experts add their fc1 and fc2 weight
         gradients to main_grad inside the weight-gradient GEMM, in fp32, instead of handing DDP a
         16-bit gradient to add (moe/expert_wgrad.py; biases and sizes off 16 bytes keep DDP's add):
