@@ -6,9 +6,10 @@ of the device-side counters); `--moe-ext-replica-check-interval N` checks every 
 that replicas agree (a collective: every rank runs it after the same iterations). Both run after
 Megatron's `train_step`, whichever script drives training (an unmodified pretrain_gpt.py under
 `python -m megatron_ext.launch`, or examples/pretrain_gpt.py): `install` wraps
-`megatron.training.training.train_step`, which `train()` calls by its module-level name. That
-wrap is the only Megatron training internal touched here (checked by `check_hook_point`;
-megatron-core 0.19.2, see megatron_ext.rules).
+`megatron.training.training.train_step`, which `train()` calls by its module-level name, and,
+with the dropless arena, `evaluate`, which `evaluate_and_print_results` calls by name (an
+evaluation can come first: `--skip-train`). Those wraps are the only Megatron training internals
+touched here (checked by `check_hook_point`; megatron-core 0.19.2, see megatron_ext.rules).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def check_hook_point() -> None:
                         f"(forward_step_func, data_iterator, model, ..., iteration=None, ...))")
     if "train_step" not in training.train.__code__.co_names:
         problems.append("megatron.training.training.train no longer calls train_step by its module-level name")
+    evaluate = getattr(training.evaluate, "__wrapped__", training.evaluate)
+    if list(inspect.signature(evaluate).parameters)[:3] != ["forward_step_func", "data_iterator", "model"]:
+        problems.append(f"megatron.training.training.evaluate{inspect.signature(evaluate)} (expected "
+                        f"(forward_step_func, data_iterator, model, ...))")
+    if "evaluate" not in training.evaluate_and_print_results.__code__.co_names:
+        problems.append("megatron.training.training.evaluate_and_print_results no longer calls evaluate by name")
     if problems:
         raise MegatronInternalsChanged(f"megatron_ext.training_hooks was written against megatron-core "
                                        f"{MEGATRON_VERSION}; these changed:\n  - " + "\n  - ".join(problems))
@@ -171,4 +178,23 @@ def install(config: MoEExtConfig) -> bool:
 
     train_step._megatron_ext_config = holder
     training.train_step = train_step
+    _attach_arenas_before_evaluation(training, holder)
     return True
+
+
+def _attach_arenas_before_evaluation(training, holder: list) -> None:
+    """An evaluation may run before any train_step (`--skip-train`, or evaluation first): the
+    arena must be attached there too (idempotent once attached). Re-wraps Megatron's own function
+    each time, so it shares the newest train_step wrap's config."""
+    current = getattr(training.evaluate, "__wrapped__", training.evaluate)
+    signature = inspect.signature(current)
+
+    @functools.wraps(current)
+    def evaluate(*args, **kwargs):
+        if holder[0].dropless_arena:
+            from megatron_ext.moe.arena import attach_arenas
+
+            attach_arenas(signature.bind(*args, **kwargs).arguments["model"])
+        return current(*args, **kwargs)
+
+    training.evaluate = evaluate

@@ -16,9 +16,10 @@ its experts' backward (which runs after layer i+1's backward, the last reader of
 The last layer's run-on grows up from the shared area's start and stays in place. Every rank
 computes every destination's spill cursor from the exchanged route counts, so the rows each
 destination can take in a layer (P plus what is left of the run-on room and the shared area)
-are known on the device everywhere, and the keep plan (moe/route_map.py) drops a route only
-when the microbatch's budget is spent (counted, and an error at the next check with
-on_overflow="error").
+are known on the device everywhere, and the keep plan (moe/route_map.py) drops a route when
+the destination's rows for the layer are spent: the microbatch's budget, or, for a layer before
+the last, its region and the next one's (2P rows), whatever is left of the shared area (counted,
+and an error at the next check with on_overflow="error", naming which bound to raise).
 
 fc1's output, which the experts keep for their backward, is a fresh tensor (torch._grouped_mm
 has no out=): the SwiGLU kernel stores it into a local arena of the same layout as it reads it,

@@ -107,14 +107,21 @@ class RowwiseMoELayer(MoELayer):
         """Bounded dropless: raise CapacityExceeded if routes overflowed since the last check (a host read)."""
         if self._overflow is not None and self.token_dispatcher.transport is not None:
             dispatcher = self.token_dispatcher
-            where = f"MoE layer {self.layer_number}"
+            where, view, ext = f"MoE layer {self.layer_number}", None, self.ext_config
             if dispatcher.arena_layer is not None:
-                layout = dispatcher.arena_layer.layout
+                arena_layer = dispatcher.arena_layer
+                layout = arena_layer.layout
                 where += (f" (dropless arena: {layout.layers} layers share {layout.rows} rows per microbatch, "
-                          f"regions of {layout.region}; raise --moe-ext-capacity-factor for the budget, "
-                          f"--moe-ext-arena-region-factor for the rows a layer may take)")
+                          f"regions of {layout.region}; a layer before the last takes at most its region and the "
+                          f"next one's, the last its region and the shared rest)")
+                # A layer before the last runs on into the next region, or less where the shared area is smaller
+                region_bound = not layout.is_last(arena_layer.index) and layout.region <= layout.shared
+                widen = (f"--moe-ext-arena-region-factor (now {ext.arena_region_factor}; at most the capacity "
+                         f"factor)" if region_bound else
+                         f"--moe-ext-capacity-factor (now {ext.capacity_factor}; it sizes the shared area)")
+                view = (arena_layer.capacity, widen)
             self._overflow.check(where, dispatcher.capacity, dispatcher.max_tokens * dispatcher.topk,
-                                 self.ext_config.capacity_factor, arena=dispatcher.arena_layer is not None)
+                                 ext.capacity_factor, arena_view=view)
 
     def read_metrics(self, reset: bool = True) -> dict | None:
         """Host copy of the routing metrics since the last read (synchronizes: logging steps only)."""

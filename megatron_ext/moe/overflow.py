@@ -44,9 +44,10 @@ class OverflowGuard:
         torch.maximum(self.peak_demand, demand, out=self.peak_demand)
 
     def check(self, where: str, capacity: int, rows_at_cf_1: int, capacity_factor: float,
-              arena: bool = False) -> None:
+              arena_view: tuple[int, str] | None = None) -> None:
         """Raise CapacityExceeded if any route overflowed since the last check (reads the device).
-        `arena`: the layer is in a dropless arena (another policy name and other remedies)."""
+        `arena_view`: the layer is in a dropless arena, where a rank can take at most this many rows
+        in it however the budget was spent, and the flag that widens that view."""
         if self.sums is None:
             return
         totals, peak = unpack_metrics(self.sums.cpu()), int(self.peak_demand.max())
@@ -56,10 +57,14 @@ class OverflowGuard:
         if overflowed == 0:
             return
         needed = peak / max(rows_at_cf_1, 1)
-        if arena:  # a layer's rows are bounded by its region and what earlier layers left of the shared rest
-            policy, remedy = "the dropless arena's overflow policy (error)", (
-                f"Raise the budget or the regions as above (the largest load seen was {needed:.2f}x a layer's "
-                f"balanced rows; the capacity factor is now {capacity_factor}), or")
+        if arena_view is not None:  # bounded by the layer's view and by what earlier layers left
+            policy, (view_rows, widen) = "the dropless arena's overflow policy (error)", arena_view
+            if peak > view_rows:
+                remedy = (f"A rank can take at most {view_rows} rows in this layer however the budget was spent: "
+                          f"raise {widen} (the largest load seen was {needed:.2f}x a layer's balanced rows), or")
+            else:
+                remedy = (f"Earlier layers' spill used the budget: raise --moe-ext-capacity-factor (now "
+                          f"{capacity_factor}; the largest load seen was {needed:.2f}x a layer's balanced rows), or")
         else:
             policy, remedy = "on_overflow='error'", (
                 f"Raise --moe-ext-capacity-factor (now {capacity_factor}; the largest load seen needs >= "

@@ -125,17 +125,32 @@ def test_skew_needs_the_shared_area_across_layers():
     assert sum(rank0["received"]) > LAYERS * rank0["layout"].region
 
 
+# Which bound a layer hit decides what helps: a layer before the last takes at most its region and the next
+# one's (2P rows; less where the shared area is smaller), whatever is left of the budget.
+OVERFLOWS = {
+    "view_of_two_regions": ((0.5, 0.75, 0.5), "at most 64 rows in this layer",
+                            "raise --moe-ext-arena-region-factor (now 0.5"),
+    "view_cut_by_the_shared_area": ((0.5, 1.0, 1.0), "at most 64 rows in this layer",
+                                    "raise --moe-ext-capacity-factor (now 1.0; it sizes the shared area)"),
+    "budget_spent_by_earlier_spill": ((0.25, 1.0, 0.75), "Earlier layers' spill used the budget",
+                                      "raise --moe-ext-capacity-factor (now 1.0; the largest load"),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERFLOWS))
 @pytest.mark.parametrize("on_overflow", ["error", "auto"])
-def test_beyond_the_budget_routes_are_counted_and_raise(on_overflow):
-    results = run_on_ranks(_arena_rank, 2, 0.5, 0.75, 0.5, on_overflow, sizes=ParallelSizes(ep=2))
+def test_beyond_the_budget_routes_are_counted_and_raise(on_overflow, case):
+    (skew, capacity_factor, region_factor), bound, remedy = OVERFLOWS[case]
+    results = run_on_ranks(_arena_rank, 2, skew, capacity_factor, region_factor, on_overflow,
+                           sizes=ParallelSizes(ep=2))
     dropped = sum(sum(r["dropped"]) for r in results)
     assert dropped > 0
     errors = [r["error"] for r in results if r["error"] is not None]
-    assert errors and "overflowed" in errors[0] and "the capacity factor is now 0.75" in errors[0]
-    assert "dropless arena: 3 layers share" in errors[0] and "--moe-ext-arena-region-factor" in errors[0]
-    assert "Raise the budget or the regions" in errors[0] and "needs >=" not in errors[0], errors[0]
+    assert len(errors) == 2, "every rank raises at the same check"
+    assert "overflowed" in errors[0] and "dropless arena: 3 layers share" in errors[0]
+    assert bound in errors[0] and remedy in errors[0] and "needs >=" not in errors[0], errors[0]
     for result in results:
-        assert result["layout"].rows == arena_layout(LAYERS, TOKENS, TOPK, 0.75, 0.5).rows
+        assert result["layout"] == arena_layout(LAYERS, TOKENS, TOPK, capacity_factor, region_factor)
 
 
 def test_layout_and_settings_are_checked():

@@ -116,9 +116,19 @@ def test_wrapped_train_step_attaches_the_dropless_arena_first(monkeypatch):
                         forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
         seen.append(("step", model))
 
+    def fake_evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
+        seen.append(("evaluate", model))
+
     monkeypatch.setattr(training, "train_step", fake_train_step)
+    monkeypatch.setattr(training, "evaluate", fake_evaluate)
     monkeypatch.setattr(arena, "attach_arenas", lambda model: seen.append(("attach", model)))
     monkeypatch.setattr(training_hooks, "after_train_step", lambda *args, **kwargs: None)
     assert training_hooks.install(MoEExtConfig(dropless_arena=True))
     training.train_step(None, None, ["CHUNK"], None, None, None, None, iteration=1)
     assert seen == [("attach", ["CHUNK"]), ("step", ["CHUNK"])]
+    # --skip-train: Megatron evaluates a model no train_step has seen (evaluate_and_print_results
+    # calls evaluate by its module-level name); the arena is attached there too
+    seen.clear()
+    training.evaluate(None, None, ["EVAL"], None, None)
+    assert seen == [("attach", ["EVAL"]), ("evaluate", ["EVAL"])]
+    assert training.evaluate.__wrapped__ is fake_evaluate
