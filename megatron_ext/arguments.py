@@ -318,6 +318,12 @@ def _expert_conflicts(args) -> list[str]:
         problems += arena_args_problems(args)
     if getattr(args, "moe_ext_mxfp8_dispatch", False) and getattr(args, "moe_apply_probs_on_input", False):
         problems.append(MXFP8_PROBS_ON_INPUT)
+    mtp_layers = getattr(args, "mtp_num_layers", None)
+    if mtp_layers:  # megatron.training.models.gpt.mtp_block_spec (0.19.2) ignores --spec
+        problems.append(f"--mtp-num-layers {mtp_layers} with --num-experts: megatron.training builds the MTP layers "
+                        f"from Megatron's own layer specs, not from --spec, so their MoE layers would be Megatron's "
+                        f"with none of the --moe-ext-* settings; drop --mtp-num-layers, or build the MTP block from "
+                        f"megatron_ext.specs in your own model script")
     variant = getattr(args, "experimental_attention_variant", None)
     if variant is not None and getattr(args, "spec", None) is None:
         problems.append(f"--experimental-attention-variant {variant} with --num-experts: megatron_ext's layer specs "

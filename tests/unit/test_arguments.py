@@ -150,6 +150,8 @@ def _parse(parser, argv):
      ["keeps up to 5 microbatches", "--moe-ext-lease-slots 5"]),
     (MOE_MODEL + ["--experimental-attention-variant", "gated_delta_net"],
      ["--experimental-attention-variant gated_delta_net", "drop the variant"]),
+    (MOE_MODEL + ["--mtp-num-layers", "1"], ["--mtp-num-layers 1", "not from --spec"]),
+    (MOE_MODEL + ["--moe-ext-dispatcher", "megatron", "--mtp-num-layers", "2"], ["--mtp-num-layers 2"]),
 ])
 def test_wrong_combinations_name_both_flags(megatron_parser, argv, flags):
     with pytest.raises(MoEExtArgumentError) as error:
@@ -220,3 +222,14 @@ def test_off_flags_are_named_as_typed(megatron_parser):
     message = str(error.value)
     assert "--moe-ext-router-gemms cublas does nothing here" in message and "--moe-ext-no-fused-router" in message
     assert "fused_router" not in message.replace("--moe-ext-no-fused-router", ""), message
+
+
+def test_megatrons_mtp_block_still_ignores_the_spec():
+    """--mtp-num-layers is refused because megatron.training (0.19.2) builds the MTP block from its
+    own decoder layer specs; if it starts honoring --spec, this fails and the refusal can go."""
+    import inspect
+
+    from megatron.training.models import gpt
+
+    source = inspect.getsource(gpt.mtp_block_spec)
+    assert "get_gpt_decoder_layer_specs(" in source and "get_gpt_mtp_block_spec(" in source, source
