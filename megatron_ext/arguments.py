@@ -135,8 +135,9 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "results; the fused kernels save about 1 ms of host time per layer)."),
     ExtFlag("fused_router", "--moe-ext-no-fused-router", "off",
             help="On GPUs, keep Megatron's own top-k routing instead of the fused router kernel (the fused "
-                 "router gives the same results to fp32 rounding, gradients to one bf16 rounding, and saves "
-                 "about 0.6 ms of host time per layer)."),
+                 "router gives the same results to fp32 rounding, gradients to one bf16 rounding, and took "
+                 "18-35% of the host time and 0.32-0.37 ms of device time off a layer step at the reference "
+                 "shape on an H200)."),
     ExtFlag("expert_wgrad_fusion", "--moe-ext-no-expert-wgrad-fusion", "off",
             help="Hand Megatron's DDP the grouped experts' weight gradients in 16 bits to add to main_grad, "
                  "instead of adding them to main_grad inside the weight-gradient GEMM in fp32 (the default "
