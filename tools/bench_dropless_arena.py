@@ -30,6 +30,7 @@ routers toward rank 0's experts.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from dataclasses import dataclass
 
@@ -98,13 +99,25 @@ def build_stack(path: Path, args, world: int):
             layer = megatron_moe_layer(config, experts_builder=DeviceOffsetGroupedMLP)
         else:
             layer = moe_builder(ext)(config=config)
-        weights = MoEWeights.random(args.experts, args.hidden, args.ffn, seed=index, dtype=torch.bfloat16)
-        weights.router[: max(1, args.experts // 8)] += args.skew  # toward rank 0's experts
+        weights = layer_weights(index, args)
         load_weights(layer.cuda(), weights)
         layers.append(layer)
     if ext is not None and ext.dropless_arena:
         attach_arenas(layers)
     return layers
+
+
+@functools.cache
+def _weights_of(index: int, experts: int, hidden: int, ffn: int, skew: float) -> MoEWeights:
+    weights = MoEWeights.random(experts, hidden, ffn, seed=index, dtype=torch.bfloat16)
+    weights.router[: max(1, experts // 8)] += skew  # toward rank 0's experts
+    return weights
+
+
+def layer_weights(index: int, args) -> MoEWeights:
+    """Layer `index`'s weights, the same on every path: drawn on the CPU once (seconds per layer at
+    the reference shape with torchrun's one thread), not once per path."""
+    return _weights_of(index, args.experts, args.hidden, args.ffn, args.skew)
 
 
 def buffer_bytes(layers) -> int:
@@ -206,7 +219,7 @@ def main():
           f"rank's)")
     print(f"{'path':20s} {'device ms':>10s} {'min..max':>16s} {'vs per_layer (rounds)':>26s} {'%dense':>7s} "
           f"{'host ms':>8s} "
-          f"{'held+buffers MiB':>17s} {'peak MiB':>9s} {'syncs':>6s}")
+          f"{'held+buffers MiB':>17s} {'peak MiB':>9s} {'syncs':>6s} {'dropped':>8s}")
     base = "per_layer" in timed
     for row in rows:
         t = timed[row["path"]]
@@ -220,7 +233,10 @@ def main():
         print(f"{row['path']:20s} {t['median_ms']:10.3f} {t['min_ms']:7.3f}..{t['max_ms']:7.3f} {vs:>26s} "
               f"{row['pct_dense_gemm']:6.1f}% {row['host_ms']:8.2f} "
               f"{'-' if held is None else f'{held / 2**20:.0f}':>17s} {row['peak_above_baseline_bytes'] / 2**20:9.0f} "
-              f"{row.get('blocking_cuda_calls', '-')!s:>6s}")
+              f"{row.get('blocking_cuda_calls', '-')!s:>6s} {row.get('dropped_routes', '-')!s:>8s}")
+    if any(row.get("dropped_routes") for row in rows):
+        print("A path that dropped routes did less work than a dropless one: compare its time and memory with that "
+              "in mind, or raise --capacity-factor / --arena-capacity-factor.")
     finish(world, {"args": vars(args), "ep": world, "rows": rows, "dense_gemm_ms": timed["dense_gemm"]}, args)
 
 

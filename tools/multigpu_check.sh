@@ -46,7 +46,7 @@ export NVSHMEM_DISABLE_NVLS=1
 # Per-step wall-clock limits in seconds (coreutils timeout; the step is killed and counted FAILED).
 declare -A LIMIT=([preflight]=120 [rowwise]=570 [faults]=300 [ddp]=240 [deepep]=480 [transport]=300 [ep]=480 [arena]=420 [functional]=1320)
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -u/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 
 DRY_RUN=0
 STEPS_ARG=""
@@ -114,7 +114,8 @@ else
 fi
 mkdir -p "$LOG_DIR"
 [ "$DRY_RUN" -eq 1 ] || mkdir -p "$RESULTS_DIR"
-MARKER="$LOG_DIR/.started"
+# Outside $OUT: the device runner brings back at most 8 files, no more than 2 folders down.
+MARKER=$(mktemp "/tmp/multigpu_check_started_XXXX")
 touch "$MARKER"
 
 collect_outputs() {  # new result JSONs (and golden values) into $OUT, after every step
@@ -123,8 +124,9 @@ collect_outputs() {  # new result JSONs (and golden values) into $OUT, after eve
     find "$RESULTS_DIR" -maxdepth 1 -name '*.json' -newer "$MARKER" -exec cp -p {} "$OUT/bench/results/" \;
     if [ -d tests/functional_tests/test_cases ]; then
         find tests/functional_tests/test_cases -name 'golden_values_*.json' -newer "$MARKER" | while read -r golden; do
-            mkdir -p "$OUT/$(dirname "$golden")"
-            cp -p "$golden" "$OUT/$golden"
+            # flattened: test_cases/<model>/<case>/golden_values_X.json -> golden/<model>-<case>-golden_values_X.json
+            mkdir -p "$OUT/golden"
+            cp -p "$golden" "$OUT/golden/$(echo "${golden#tests/functional_tests/test_cases/}" | tr / -)"
         done
     fi
 }
@@ -217,8 +219,8 @@ step_ep() {
 step_arena() {
     # shellcheck disable=SC2046
     run_logged arena $(torchrun_cmd) tools/bench_dropless_arena.py --results-dir "$RESULTS_DIR" \
-        --paths megatron_gg,dropless,per_layer,arena,arena_spill,per_layer_moe_act,arena_moe_act --arena-capacity-factor 1.25 \
-        --region-factor 0.9 --skew 0.25
+        --paths megatron_gg,dropless,per_layer,arena,arena_spill,per_layer_moe_act,arena_moe_act --capacity-factor 1.5 \
+        --arena-capacity-factor 1.5 --region-factor 0.9 --skew 0.25  # the skew sends rank 0 ~1.36x T*K: 1.5 drops none
     finish_step arena $?
 }
 

@@ -66,6 +66,8 @@ def summarize(per_rank: list[dict], flops: int, routes: int | None = None) -> di
         for key in ("dispatch_row_bytes", "dispatch_buffer_bytes"):
             if key in first:
                 row[key] = first[key]
+    if "overflow" in first:  # the bounded path's check, the same on every rank (the count is global)
+        row["overflow"] = first["overflow"]
     row["routing_digests"] = [r["routing_digest"] for r in per_rank]
     return row
 
@@ -146,6 +148,9 @@ def print_table(rows: list[dict], ratios: dict, shape: Shape, world: int, routes
               f"{_fmt(dropped, '.0f'):>8s}{'*' if dropped else ' '}"
               f"{_fmt(r.get('out_rel_diff_vs_first_path_max_rank'), '.1e'):>8s} "
               f"{_fmt(r.get('dispatch_row_bytes'), 'd'):>6s}")
+    for r in rows:
+        if r.get("overflow") not in (None, "none"):
+            print(f"{r['path']}: overflowed its bound: {r['overflow']}")
     for name, value in ratios.items():
         change = "shorter" if value["shorter_by"] >= 0 else "longer"
         print(f"dispatch+combine {name}: ratio {value['ratio']:.3f} ({100 * abs(value['shorter_by']):.1f}% {change})")

@@ -8,6 +8,7 @@ these tests stress is pinned on CPU too (tests/unit/test_symm_ordering.py, simul
 import functools
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -274,9 +275,17 @@ def test_two_rank_run_exits_within_60s_of_its_last_step(graphs):
     env = dict(os.environ, **SAFE_ENV, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
            "--graphs" if graphs else "--eager"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    # In its own session, so a hang kills torchrun's workers too; under pytest-timeout's 300 s, so the output shows.
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the 2-rank run did not exit within 240 s:\n{stdout[-3000:]}\n{stderr[-5000:]}")
     ended = time.time()
-    found = re.findall(r"LAST_STEP_DONE ([0-9.]+)", proc.stdout)
-    assert proc.returncode == 0 and len(found) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.findall(r"LAST_STEP_DONE ([0-9.]+)", stdout)
+    assert proc.returncode == 0 and len(found) == 2, stdout[-3000:] + stderr[-3000:]
     assert ended - max(map(float, found)) < 60, f"exit took {ended - max(map(float, found)):.0f} s after the last step"
-    assert ("eager_reason=None" in proc.stdout) if graphs else True, proc.stdout[-2000:]
+    assert ("eager_reason=None" in stdout) if graphs else True, stdout[-2000:]

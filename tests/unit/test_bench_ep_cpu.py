@@ -321,3 +321,23 @@ def test_dispatch_combine_total_is_the_sum_of_the_phase_columns():
     assert columns == 4.0 and row["dispatch_combine_ms"] == columns
     assert row["dispatch_combine_median_of_sums_ms"] == 8.0  # kept beside it, not used for the ratios
     assert row["layer_fwd_bwd_ms_phase_timed"] == 18.0 and row["layer_fwd_bwd_ms"] == 9.0
+
+
+def test_the_bounded_paths_overflow_reaches_the_row_and_the_table(capsys):
+    """bench_ep's bounded path checks its overflow on every rank; the summary keeps it and the
+    table prints it (it was computed and thrown away)."""
+    from megatron_ext.bench.ep_paths import Shape
+    from megatron_ext.bench.ep_report import print_table, summarize
+
+    def rank(overflow):
+        return {"path": "rowwise_symm_bounded", "routing_digest": "a", "layer_ms": [2.0], "memory": None,
+                "blocking_cuda_calls": 0, "out_rel_diff_vs_first_path": None, "overflow": overflow}
+
+    quiet = summarize([rank("none"), rank("none")], flops=1)
+    loud = summarize([rank("MoE layer 1 received more routes"), rank("MoE layer 1 received more routes")], flops=1)
+    assert quiet["overflow"] == "none" and loud["overflow"] == "MoE layer 1 received more routes"
+    shape = Shape(sequences=1, seq_length=8, experts=4, topk=2, hidden=32, ffn=16)
+    print_table([quiet, loud], {}, shape, 2, True)
+    out = capsys.readouterr().out
+    assert "rowwise_symm_bounded: overflowed its bound: MoE layer 1 received more routes" in out
+    assert out.count("overflowed its bound") == 1
