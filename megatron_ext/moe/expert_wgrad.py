@@ -51,6 +51,21 @@ def expert_weight_grad(weight: torch.Tensor, left: torch.Tensor, right: torch.Te
     return torch.empty_like(weight)
 
 
+def grouped_linear_grads(param: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad_out: torch.Tensor,
+                         rows, fuse: bool, needs: tuple[bool, bool]):
+    """The gradients of rows @ weight[e]^T per expert, each only where `needs` (rows, weight) asks:
+    (grad of the rows, grad of `param` for autograd, expert_weight_grad). `rows` is the saved input
+    or a function that makes it (called only for the weight's gradient; the weight's gradient comes
+    first, so such a transient is freed before the rows' gradient is allocated)."""
+    need_rows, need_weight = needs
+    grad_out = grad_out.contiguous()
+    grad_weight = None
+    if need_weight:  # a frozen weight (main_grad or not) gets nothing added and no flag set
+        grad_weight = expert_weight_grad(param, grad_out, rows() if callable(rows) else rows, offsets, fuse)
+    grad_rows = torch._grouped_mm(grad_out, weight, offs=offsets) if need_rows else None
+    return grad_rows, grad_weight
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, offsets, fuse: bool):
@@ -62,11 +77,8 @@ class _GroupedLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         rows, weight, offsets = ctx.saved_tensors
-        need_rows, need_weight = ctx.needs_input_grad[:2]
-        grad_out = grad_out.contiguous()
-        grad_rows = torch._grouped_mm(grad_out, weight, offs=offsets) if need_rows else None
-        grad_weight = expert_weight_grad(ctx.weight, grad_out, rows, offsets, ctx.fuse) if need_weight else None
-        return grad_rows, grad_weight, None, None
+        grads = grouped_linear_grads(ctx.weight, weight, offsets, grad_out, rows, ctx.fuse, ctx.needs_input_grad[:2])
+        return *grads, None, None
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, fuse: bool) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from megatron_ext.formats import mxfp8
 from megatron_ext.kernels.mxfp8_rows import dequantize_packed
-from megatron_ext.moe.expert_wgrad import expert_weight_grad
+from megatron_ext.moe.expert_wgrad import grouped_linear_grads
 from megatron_ext.moe.route_map import RouteMap
 from megatron_ext.moe.row_autograd import detached_alias, dispatch_backward
 from megatron_ext.moe.transport.base import RowTransport
@@ -84,17 +84,14 @@ class _PayloadFc1(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         packed, weight, offsets = ctx.saved_tensors
-        need_input, need_weight = ctx.needs_input_grad[:2]
-        grad_out = grad_out.contiguous()
-        grad_weight = None
-        if need_weight:  # a frozen fc1 (main_grad or not) gets nothing added and no flag set
-            expert_input = dequantize_packed(packed, ctx.hidden, ctx.dtype)  # Wgrad from the saved payload
-            # dW = grad_out^T @ input per expert, formed as [L, 2F, H]: the weight's own contiguous
-            # layout. (Forming [L, H, 2F] and transposing made AccumulateGrad copy the whole weight
-            # gradient into the parameter's layout: a 1.7 ms strided copy per layer on the H200.)
-            grad_weight = expert_weight_grad(ctx.weight, grad_out, expert_input, offsets, ctx.wgrad_fusion)
-        grad_input = torch._grouped_mm(grad_out, weight, offs=offsets) if need_input else None
-        return grad_input, grad_weight, None, None, None
+
+        def expert_input():  # the Wgrad's rows, from the saved payload
+            return dequantize_packed(packed, ctx.hidden, ctx.dtype)
+
+        # dW is formed as [L, 2F, H], the weight's own layout (moe/expert_wgrad.py)
+        grads = grouped_linear_grads(ctx.weight, weight, offsets, grad_out, expert_input, ctx.wgrad_fusion,
+                                     ctx.needs_input_grad[:2])
+        return *grads, None, None, None
 
 
 def payload_fc1(anchor: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
