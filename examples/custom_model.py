@@ -23,6 +23,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.quiet import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()  # before Megatron is imported
 import torch  # noqa: E402
 
 from megatron_ext._cpu import apply_cpu_shims  # noqa: E402

@@ -80,7 +80,7 @@ import sys
 from dataclasses import asdict
 
 # First: sets NVLINK_SAFE_ENV (multicast off) before torch is imported or NCCL initializes.
-from megatron_ext.bench.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed
+from megatron_ext.bench.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed, warn_full_shape_on_cpu
 
 import torch
 import torch.distributed as dist
@@ -233,6 +233,7 @@ def parse_args(argv=None):
 
 
 def shape_from_args(args) -> Shape:
+    warn_full_shape_on_cpu("bench_ep", args)
     base = asdict(TINY_SHAPE if args.tiny else EP8_SHAPE)
     base.update({k: getattr(args, k) for k in base if getattr(args, k) is not None})
     return Shape(**base)

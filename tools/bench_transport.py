@@ -58,7 +58,8 @@ from dataclasses import dataclass
 
 # Importing megatron_ext.bench.ep_distributed sets NVLINK_SAFE_ENV (multicast off) before anything initializes NCCL.
 from megatron_ext.bench.cli_types import list_of, names_from, non_negative_int, positive_float, positive_int
-from megatron_ext.bench.ep_distributed import Ranks, finish_run, gather_to_all, init_distributed, median
+from megatron_ext.bench.ep_distributed import (Ranks, finish_run, gather_to_all, init_distributed, median,
+                                              warn_full_shape_on_cpu)
 
 import torch
 import torch.distributed as dist
@@ -379,6 +380,7 @@ def parse_args(argv=None):
 
 
 def setup_from_args(args) -> Setup:
+    warn_full_shape_on_cpu("bench_transport", args)
     base = TINY if args.tiny else FULL
     return Setup(tokens=args.tokens or base.tokens,
                  experts=args.experts or base.experts, topk=args.topk or base.topk, hidden=args.hidden or base.hidden)

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.distributed as dist
+from megatron_ext.quiet import quiet_known_warnings
 
-from megatron_ext.bench.cli_types import list_of, positive_float, positive_int
-from megatron_ext.bench.arena_sizing import best_region_spill, one_budget, per_layer_bound, region_spill, shared_area
-from megatron_ext.bench.results import write_result
-from megatron_ext.config import MoEExtConfig
-from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
-from megatron_ext.moe.arena import attach_arenas
-from megatron_ext.moe.capacity import rank_capacity
-from megatron_ext.moe.overflow import CapacityExceeded
-from megatron_ext.tiny_gpt import TinyGPTConfig, build_model, moe_layers, synthetic_batch
+quiet_known_warnings()  # before Megatron is imported
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_ext.bench.cli_types import list_of, positive_float, positive_int  # noqa: E402
+from megatron_ext.bench.arena_sizing import best_region_spill, one_budget, per_layer_bound, region_spill, shared_area  # noqa: E402
+from megatron_ext.bench.results import write_result  # noqa: E402
+from megatron_ext.config import MoEExtConfig  # noqa: E402
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks  # noqa: E402
+from megatron_ext.moe.arena import attach_arenas  # noqa: E402
+from megatron_ext.moe.capacity import rank_capacity  # noqa: E402
+from megatron_ext.moe.overflow import CapacityExceeded  # noqa: E402
+from megatron_ext.tiny_gpt import TinyGPTConfig, build_model, moe_layers, synthetic_batch  # noqa: E402
 
 MODEL = TinyGPTConfig(layers=4, experts=8, topk=2, micro_batch=4, seq_len=32)
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+from megatron_ext.quiet import quiet_known_warnings
 
-from megatron_ext.bench.cli_types import non_negative_int
-from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
-from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config
-from megatron_ext.testing.single_rank import init_single_rank_megatron
+quiet_known_warnings()  # before Megatron is imported
+import torch  # noqa: E402
+
+from megatron_ext.bench.cli_types import non_negative_int  # noqa: E402
+from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape  # noqa: E402
+from megatron_ext.testing.megatron_moe import megatron_moe_layer, moe_config  # noqa: E402
+from megatron_ext.testing.single_rank import init_single_rank_megatron  # noqa: E402
 
 LAYERS = ("rowwise_symm", "rowwise_torch", "megatron_alltoall", "megatron_allgather")
 GPU_ONLY_LAYERS = ("rowwise_symm",)

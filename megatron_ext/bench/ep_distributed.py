@@ -58,6 +58,13 @@ def init_distributed(device: str, seed: int = 1234, with_megatron: bool = True) 
     return Ranks(dist.get_rank(), dist.get_world_size(), target)
 
 
+def warn_full_shape_on_cpu(tool: str, args) -> None:
+    """The tools' default shapes are the GPU's: on CPU they run for hours with no output."""
+    if args.device == "cpu" and not args.tiny and int(os.environ.get("RANK", "0")) == 0:
+        print(f"{tool}: --device cpu without --tiny runs the full GPU shape on CPU, which takes hours; add --tiny "
+              f"for the smoke-test shape", flush=True)
+
+
 def gather_to_all(value):
     """Every rank's picklable `value`, in rank order (a collective: all ranks call it)."""
     values = [None] * dist.get_world_size()
