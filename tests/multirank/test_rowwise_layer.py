@@ -22,7 +22,14 @@ def kept_mask(layer):
 
 
 def _rowwise_rank(rank, world, case, ext):
-    return run_and_compare(rank, case, functools.partial(build_rowwise, **ext), keep_of=kept_mask)
+    layers = []
+
+    def build(config):
+        layers.append(build_rowwise(config, **ext))
+        return layers[0]
+
+    run_and_compare(rank, case, build, keep_of=kept_mask)
+    return int((layers[0].token_dispatcher.route_map.dest_row < 0).sum())  # this rank's dropped routes
 
 
 LAYOUTS = [(1, 1), (2, 2), (2, 1), (4, 4), (4, 2)]
@@ -36,13 +43,29 @@ def test_rowwise_dropless_matches_oracle(world, ep):
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 4)])
 def test_rowwise_with_drops_matches_oracle_on_kept_routes(world, ep):
     # cf 0.5 with skewed random routing: many routes dropped; the oracle uses the same kept set.
-    run_on_ranks(_rowwise_rank, world, Case(experts=8, tokens=16, topk=2), dict(capacity_factor=0.5),
-                 sizes=ParallelSizes(ep=ep))
+    dropped = run_on_ranks(_rowwise_rank, world, Case(experts=8, tokens=16, topk=2), dict(capacity_factor=0.5),
+                           sizes=ParallelSizes(ep=ep))
+    assert sum(dropped) > 0, "nothing dropped: the kept-routes comparison was not exercised"
+
+
+def _poisoned_rank(rank, world):
+    seen = []
+
+    def build(config):
+        layer = build_rowwise(config, capacity_factor=2.0, debug_poison=True)
+        layer.experts.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+        return layer
+
+    run_and_compare(rank, Case(experts=4, tokens=16), build, keep_of=kept_mask)
+    (rows,) = seen
+    poisoned = torch.isnan(rows).all(dim=1)
+    # The poison must be there to prove anything: a tail of all-NaN rows after the received ones.
+    assert poisoned.any() and not torch.isnan(rows[~poisoned]).any(), poisoned
+    assert poisoned[int((~poisoned).sum()):].all(), "the received rows come first, the poisoned tail after them"
 
 
 def test_rowwise_poisoned_tails_change_nothing():
-    run_on_ranks(_rowwise_rank, 2, Case(experts=4, tokens=16), dict(capacity_factor=2.0, debug_poison=True),
-                 sizes=ParallelSizes(ep=2))
+    run_on_ranks(_poisoned_rank, 2, sizes=ParallelSizes(ep=2))
 
 
 def _vs_megatron_rank(rank, world, router_overrides=None):

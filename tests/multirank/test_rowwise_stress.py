@@ -58,6 +58,9 @@ def _stress_rank(rank, world, cf, live, poison):
     layer = moe_builder(MoEExtConfig(transport="torch", capacity_factor=cf, debug_poison=poison))(config=config)
     load_weights(layer, weights)
     experts = local_expert_range(layer)
+    poisoned_rows = []  # all-NaN rows the experts were handed (the buffers' unfilled tails)
+    layer.experts.register_forward_pre_hook(
+        lambda module, args: poisoned_rows.append(int(torch.isnan(args[0]).all(dim=1).sum())))
     dropped = 0
     for step in range(STEPS):
         for p in layer.parameters():
@@ -86,6 +89,8 @@ def _stress_rank(rank, world, cf, live, poison):
         assert_close(layer.router.weight.grad, router_want, 1e-5, f"{where}: router grad")
         assert_close(fc1_grad, fc1_want, 2e-5, f"{where}: fc1 grad")
         assert_close(fc2_grad, fc2_want, 2e-5, f"{where}: fc2 grad")
+    # With poison the tails were NaN (and changed nothing above); without it they were zeros.
+    assert (sum(poisoned_rows) > 0) == poison, (poison, poisoned_rows)
     return dropped
 
 
