@@ -123,77 +123,91 @@ class MoEExtConfig:
     expert_wgrad_fusion: bool = True
 
     def __post_init__(self):
-        for name in ("dropless", "dropless_arena", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison",
-                     "debug_checks", "fused_route_map", "fused_router", "pin_host_threads", "expert_wgrad_fusion"):
-            _require_type(name, getattr(self, name), bool, "True or False")
-        for name in ("metrics_interval", "replica_check_interval", "lease_slots"):
-            _require_type(name, getattr(self, name), int, "an integer")
-        if self.max_tokens_per_rank is not None:
-            _require_type("max_tokens_per_rank", self.max_tokens_per_rank, int, "an integer or None")
-        _require_type("capacity_factor", self.capacity_factor, (int, float), "a number such as 1.25")
-        _require_type("arena_region_factor", self.arena_region_factor, (int, float), "a number such as 1.0")
-        if self.peer_timeout_s is not None:
-            _require_type("peer_timeout_s", self.peer_timeout_s, (int, float), "a number of seconds or None")
-            if not (self.peer_timeout_s > 0 and math.isfinite(self.peer_timeout_s)):
-                raise ValueError(f"peer_timeout_s must be > 0 seconds (or None), got {self.peer_timeout_s}")
-        if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"unknown MoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown row transport {self.transport!r}; choose one of {TRANSPORTS}")
-        if self.return_transfer not in RETURN_TRANSFERS:
-            raise ValueError(f"unknown return_transfer {self.return_transfer!r}; choose one of {RETURN_TRANSFERS}")
-        if self.return_transfer == "put":
-            self._check_return_put()
-        if self.router_gemms not in ROUTER_GEMMS:
-            raise ValueError(f"unknown router_gemms {self.router_gemms!r}; choose one of {ROUTER_GEMMS}")
-        if self.on_overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"unknown on_overflow policy {self.on_overflow!r}; choose one of {OVERFLOW_POLICIES}")
-        if self.on_overflow == "error" and self.dropless:
-            raise ValueError("on_overflow='error' bounds the capacity by capacity_factor (bounded dropless); "
-                             "dropless=True sizes it for the worst case instead: choose one")
+        wrong_types = list(self._type_problems())
+        if wrong_types:
+            raise TypeError(_one_message(wrong_types))
+        problems = list(self._value_problems())
+        if problems:
+            raise ValueError(_one_message(problems))
+
+    def _type_problems(self):
+        """A value of the wrong type (bool is not an int here, a string is not a number)."""
+        expected = {name: (bool, "True or False") for name in (
+            "dropless", "dropless_arena", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison",
+            "debug_checks", "fused_route_map", "fused_router", "pin_host_threads", "expert_wgrad_fusion")}
+        expected.update({name: (int, "an integer") for name in ("metrics_interval", "replica_check_interval",
+                                                                 "lease_slots")})
+        expected["max_tokens_per_rank"] = ((int, type(None)), "an integer or None")
+        expected["capacity_factor"] = ((int, float), "a number such as 1.25")
+        expected["arena_region_factor"] = ((int, float), "a number such as 1.0")
+        expected["peer_timeout_s"] = ((int, float, type(None)), "a number of seconds or None")
+        for name, (kinds, wanted) in expected.items():
+            value = getattr(self, name)
+            kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                yield f"{name} must be {wanted}, got {value!r} ({type(value).__name__})"
+
+    def _value_problems(self):
+        """Every bad value or combination, each with what to do; the caller reports them all at once."""
+        for name, value, choices, what in (
+                ("dispatcher", self.dispatcher, DISPATCHERS, "MoE dispatcher"),
+                ("transport", self.transport, TRANSPORTS, "row transport"),
+                ("return_transfer", self.return_transfer, RETURN_TRANSFERS, "return_transfer"),
+                ("router_gemms", self.router_gemms, ROUTER_GEMMS, "router_gemms"),
+                ("on_overflow", self.on_overflow, OVERFLOW_POLICIES, "on_overflow policy")):
+            if value not in choices:
+                yield f"unknown {what} {value!r}; choose one of {choices}"
+        if self.peer_timeout_s is not None and not (self.peer_timeout_s > 0 and math.isfinite(self.peer_timeout_s)):
+            yield f"peer_timeout_s must be > 0 seconds (or None), got {self.peer_timeout_s}"
         if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
-            raise ValueError(f"capacity_factor must be > 0 and finite, got {self.capacity_factor}; "
-                             f"use e.g. 1.25, or dropless=True to never drop routes")
+            yield (f"capacity_factor must be > 0 and finite, got {self.capacity_factor}; "
+                   f"use e.g. 1.25, or dropless=True to never drop routes")
         if not (self.arena_region_factor > 0 and math.isfinite(self.arena_region_factor)):
-            raise ValueError(f"arena_region_factor must be > 0 and finite, got {self.arena_region_factor}")
+            yield f"arena_region_factor must be > 0 and finite, got {self.arena_region_factor}"
+        for name, lowest, value in (("max_tokens_per_rank", 1, self.max_tokens_per_rank),
+                                    ("metrics_interval", 0, self.metrics_interval),
+                                    ("replica_check_interval", 0, self.replica_check_interval),
+                                    ("lease_slots", 1, self.lease_slots)):
+            if value is not None and value < lowest:
+                yield f"{name} must be >= {lowest}{' (or None)' if name == 'max_tokens_per_rank' else ''}, got {value}"
+        if self.on_overflow == "error" and self.dropless:
+            yield ("on_overflow='error' bounds the capacity by capacity_factor (bounded dropless); "
+                   "dropless=True sizes it for the worst case instead: choose one")
+        if self.return_transfer == "put":
+            yield from self._return_put_problems()
         if self.dropless_arena:
-            self._check_arena()
-        if self.cuda_graphs:
-            self._check_graphs()
-        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank must be >= 1 (or None), got {self.max_tokens_per_rank}")
-        if self.metrics_interval < 0:
-            raise ValueError(f"metrics_interval must be >= 0, got {self.metrics_interval}")
-        if self.replica_check_interval < 0:
-            raise ValueError(f"replica_check_interval must be >= 0, got {self.replica_check_interval}")
-        if self.lease_slots < 1:
-            raise ValueError(f"lease_slots must be >= 1, got {self.lease_slots}")
+            yield from self._arena_problems()
+        if self.cuda_graphs and self.debug_checks:
+            yield ("cuda_graphs with debug_checks: the checks read device values on the host, which a CUDA "
+                   "graph capture cannot contain (the layer would run eagerly); drop one")
         if self.dispatcher == "rowwise":
-            self._check_unused()
+            yield from self._unused_problems()
         if self.dispatcher == "megatron":
-            if self.mxfp8_dispatch:
-                raise ValueError("mxfp8_dispatch needs dispatcher='rowwise' (the payload is quantized inside "
-                                 "the rowwise dispatch), got dispatcher='megatron'")
-            if self.cuda_graphs:
-                raise ValueError("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
-                                 "dispatchers synchronize with the host (dispatcher='megatron'). "
-                                 "Use dispatcher='rowwise'.")
-            if self.pin_host_threads:
-                raise ValueError("pin_host_threads applies to the rowwise layer (dispatcher='rowwise'), whose "
-                                 "forward and backward pin their threads; dispatcher='megatron' builds "
-                                 "Megatron's MoELayer")
-            if self.on_overflow != "auto":
-                raise ValueError("on_overflow applies to dispatcher='rowwise' (Megatron's dispatchers are dropless "
-                                 "or drop by their own settings)")
-            if self.transport != "auto":
-                raise ValueError(f"transport={self.transport!r} only applies to dispatcher='rowwise'; "
-                                 f"dispatcher='megatron' moves tokens with Megatron's moe_token_dispatcher_type "
-                                 f"(leave transport='auto')")
-            changed = [name for name in self.changed_fields() if name in ROWWISE_ONLY]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} only apply to dispatcher='rowwise' (dispatcher='megatron' "
-                                 f"sizes, routes and moves tokens by Megatron's own --moe-* settings and would "
-                                 f"ignore them): leave them at their defaults or use dispatcher='rowwise'")
+            yield from self._megatron_dispatcher_problems()
+
+    def _megatron_dispatcher_problems(self):
+        """Rowwise-only settings under dispatcher='megatron': refused, not ignored."""
+        if self.mxfp8_dispatch:
+            yield ("mxfp8_dispatch needs dispatcher='rowwise' (the payload is quantized inside "
+                   "the rowwise dispatch), got dispatcher='megatron'")
+        if self.cuda_graphs:
+            yield ("cuda_graphs captures the synchronization-free rowwise layer; Megatron's "
+                   "dispatchers synchronize with the host (dispatcher='megatron'). Use dispatcher='rowwise'.")
+        if self.pin_host_threads:
+            yield ("pin_host_threads applies to the rowwise layer (dispatcher='rowwise'), whose "
+                   "forward and backward pin their threads; dispatcher='megatron' builds Megatron's MoELayer")
+        if self.on_overflow != "auto":
+            yield ("on_overflow applies to dispatcher='rowwise' (Megatron's dispatchers are dropless "
+                   "or drop by their own settings)")
+        if self.transport != "auto":
+            yield (f"transport={self.transport!r} only applies to dispatcher='rowwise'; "
+                   f"dispatcher='megatron' moves tokens with Megatron's moe_token_dispatcher_type "
+                   f"(leave transport='auto')")
+        changed = [name for name in self.changed_fields() if name in ROWWISE_ONLY]
+        if changed:
+            yield (f"{', '.join(changed)} only apply to dispatcher='rowwise' (dispatcher='megatron' "
+                   f"sizes, routes and moves tokens by Megatron's own --moe-* settings and would "
+                   f"ignore them): leave them at their defaults or use dispatcher='rowwise'")
 
     def changed_fields(self) -> list[str]:
         """The fields set to something other than their default, in declaration order."""
@@ -212,7 +226,7 @@ class MoEExtConfig:
         is dropless too: moe/capacity.py caps it at the worst case)."""
         return self.dispatcher == "rowwise" and self.overflow_policy == "drop" and not self.dropless
 
-    def _check_unused(self) -> None:
+    def _unused_problems(self):
         """A rowwise setting another setting makes do nothing: refused, not ignored."""
         changed = self.changed_fields()
         for name, unused, why in (
@@ -229,42 +243,37 @@ class MoEExtConfig:
                  f"the {self.transport} transport's buffers belong to autograd (any number of microbatches may be "
                  f"live); lease slots size the symm transport's dispatch buffers, the arena's and the graph slots")):
             if name in changed and unused:
-                raise ValueError(f"{name}={getattr(self, name)!r} does nothing here: {why}; leave it at its default")
+                yield f"{name}={getattr(self, name)!r} does nothing here: {why}; leave it at its default"
 
-    def _check_graphs(self) -> None:
-        if self.debug_checks:
-            raise ValueError("cuda_graphs with debug_checks: the checks read device values on the host, which a CUDA "
-                             "graph capture cannot contain (the layer would run eagerly); drop one")
-
-    def _check_arena(self) -> None:
+    def _arena_problems(self):
         if self.dropless:
-            raise ValueError("dropless_arena bounds the buffers by one budget per microbatch; dropless=True sizes "
-                             "every layer for the worst case instead: choose one")
-        if not 0 < self.arena_region_factor <= self.capacity_factor:
-            raise ValueError(f"arena_region_factor must be > 0 and at most capacity_factor ({self.capacity_factor}): "
-                             f"the regions are part of the budget; got {self.arena_region_factor}")
+            yield ("dropless_arena bounds the buffers by one budget per microbatch; dropless=True sizes "
+                   "every layer for the worst case instead: choose one")
+        if 0 < self.arena_region_factor < math.inf and not self.arena_region_factor <= self.capacity_factor:
+            yield (f"arena_region_factor must be > 0 and at most capacity_factor ({self.capacity_factor}): "
+                   f"the regions are part of the budget; got {self.arena_region_factor}")
         for name, wrong, why in (
                 ("dispatcher", self.dispatcher != "rowwise", "the arena holds the rowwise dispatcher's buffers"),
                 ("transport", self.transport == "deepep", "DeepEP owns its receive buffers"),
                 ("mxfp8_dispatch", self.mxfp8_dispatch, "the arena keeps BF16 rows (not built for MXFP8 payloads)")):
             if wrong:
-                raise ValueError(f"dropless_arena cannot run with {name}={getattr(self, name)!r}: {why}")
+                yield f"dropless_arena cannot run with {name}={getattr(self, name)!r}: {why}"
 
-    def _check_return_put(self) -> None:
+    def _return_put_problems(self):
         for name, wrong, why in (
                 ("dispatcher", self.dispatcher != "rowwise", "it is a mode of the rowwise dispatcher's symm transport"),
                 ("transport", self.transport in ("torch", "deepep"), "it is a mode of the symm transport")):
             if wrong:
-                raise ValueError(f"return_transfer='put' cannot run with {name}={getattr(self, name)!r}: {why}; "
-                                 f"use return_transfer='get'")
+                yield (f"return_transfer='put' cannot run with {name}={getattr(self, name)!r}: {why}; "
+                       f"use return_transfer='get'")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
 
-def _require_type(name: str, value, kinds, expected: str) -> None:
-    """Refuse a value of the wrong type (bool is not an int here, a string is not a number)."""
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+def _one_message(problems: list[str]) -> str:
+    """One problem as it is; several as a list, so a user fixes them in one go."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems in the MoE settings:\n  - " + "\n  - ".join(problems)

@@ -10,7 +10,8 @@ arguments, the script's folder first on `sys.path` as `python script.py` would h
    "megatron_ext MoE" group (`--moe-ext-*`), chained after whatever `extra_args_provider` the
    script passes (upstream pretrain_gpt.py passes ModelOpt's). `parse_and_validate_args` looks
    `parse_args` up in its module at call time, so it is covered too. The wrapper also escapes a
-   stray '%' in one of Megatron 0.19.2's help texts, without which `--help` crashes.
+   stray '%' in one of Megatron 0.19.2's help texts, without which `--help` crashes, and names
+   the closest flags when argparse finds one it does not know.
 2. After parsing: checks the flags against Megatron's (`validate_against_megatron`, errors name
    both flags), sets `megatron_ext.specs.set_default_ext_config(...)`, and, for MoE models
    (`--num-experts`) without a `--spec`, sets `args.spec = ["megatron_ext.specs", "gpt_block_spec"]`:
@@ -25,6 +26,7 @@ moved, and runs on every launch and in the unit tests.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import os
@@ -115,6 +117,29 @@ def escape_stray_percent(parser):
     for action in parser._actions:
         if action.help and "%" in action.help:
             action.help = re.sub(r"%%|%\(|%", lambda m: m.group(0) if len(m.group(0)) == 2 else "%%", action.help)
+    return parser
+
+
+def suggest_close_flags(parser):
+    """argparse (Python 3.12) answers a mistyped flag with "unrecognized arguments" alone; name the
+    flags it is closest to (`--moe-ext-dropples` -> did you mean --moe-ext-dropless?), Megatron's and ours."""
+    known = [option for option in parser._option_string_actions if option.startswith("--")]
+    report = parser.error
+
+    def error(message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            hints = []
+            for word in message[len(prefix):].split():
+                flag = word.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, known, n=3, cutoff=0.75) if flag.startswith("--") else []
+                if close:
+                    hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+            if hints:
+                message += "\n  " + "\n  ".join(hints)
+        report(message)
+
+    parser.error = error
     return parser
 
 
@@ -266,7 +291,8 @@ def install() -> callable:
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        provider = _chain_providers(_chain_providers(extra_args_provider, add_moe_ext_args), escape_stray_percent)
+        provider = _chain_providers(extra_args_provider, add_moe_ext_args)
+        provider = _chain_providers(_chain_providers(provider, escape_stray_percent), suggest_close_flags)
         args = original(provider, ignore_unknown_args)
         prepare_parsed_args(args)
         return args

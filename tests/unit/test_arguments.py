@@ -180,6 +180,16 @@ def test_bad_single_values_name_their_flag(megatron_parser, argv, flag):
         ext_config_from_args(_parse(megatron_parser, argv))
 
 
+def test_several_bad_values_are_named_together(megatron_parser):
+    argv = ["--moe-ext-capacity-factor", "0", "--moe-ext-lease-slots", "0", "--moe-ext-metrics-interval", "-1"]
+    with pytest.raises(MoEExtArgumentError) as error:
+        ext_config_from_args(_parse(megatron_parser, argv))
+    message = str(error.value)
+    assert message.startswith("3 problems")
+    for flag in ("--moe-ext-capacity-factor must", "--moe-ext-lease-slots must", "--moe-ext-metrics-interval must"):
+        assert flag in message, (flag, message)
+
+
 @pytest.mark.parametrize("argv", [
     MOE_MODEL,
     MOE_MODEL + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],

@@ -146,3 +146,29 @@ def test_a_rowwise_setting_another_one_disables_is_refused(settings, field):
     with pytest.raises(ValueError, match=rf"{field}=.* does nothing here: .*leave it at its default"):
         MoEExtConfig(**settings)
     MoEExtConfig(**{k: v for k, v in settings.items() if k != field})  # the rest alone is fine
+
+
+def test_every_problem_is_reported_at_once():
+    """Three unrelated mistakes: one error lists all three, so a user fixes them in one go."""
+    with pytest.raises(ValueError) as error:
+        MoEExtConfig(transport="nvlink", capacity_factor=0.0, lease_slots=0)
+    message = str(error.value)
+    assert message.startswith("3 problems in the MoE settings:")
+    for part in ("unknown row transport 'nvlink'", "capacity_factor must be > 0", "lease_slots must be >= 1"):
+        assert message.count(part) == 1, (part, message)
+
+
+def test_wrong_types_are_reported_together_before_values():
+    with pytest.raises(TypeError) as error:
+        MoEExtConfig(dropless="yes", lease_slots=1.5, capacity_factor=-1.0)
+    message = str(error.value)
+    assert message.startswith("2 problems in the MoE settings:")
+    assert "dropless must be True or False, got 'yes' (str)" in message
+    assert "lease_slots must be an integer, got 1.5 (float)" in message
+    assert "capacity_factor" not in message  # values are judged once their types are right
+
+
+def test_an_infinite_region_factor_is_reported_once():
+    with pytest.raises(ValueError) as error:
+        MoEExtConfig(dropless_arena=True, arena_region_factor=float("inf"))
+    assert str(error.value) == "arena_region_factor must be > 0 and finite, got inf"

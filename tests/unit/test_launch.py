@@ -153,6 +153,18 @@ def test_stray_percent_escape_keeps_format_codes():
     assert "10%) headroom, 100% of it, default 3" in " ".join(parser.format_help().split())
 
 
+def test_a_mistyped_flag_is_answered_with_the_closest_ones(hooked, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_with(hooked, MOE_MODEL + ["--moe-ext-dropples", "--moe-router-topk=2", "--num-expert", "4",
+                                        "--no-such-thing-at-all"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --moe-ext-dropples --num-expert 4 --no-such-thing-at-all" in err, err
+    assert "--moe-ext-dropples: did you mean --moe-ext-dropless" in err, err
+    assert "--num-expert: did you mean --num-experts" in err, err
+    assert "--no-such-thing-at-all:" not in err and "4:" not in err, err  # no hint where nothing is close
+
+
 def test_launcher_runs_an_unmodified_script_as_main(tmp_path):
     """End to end in a subprocess: a script that only calls Megatron's parse_args gets our flags."""
     script = tmp_path / "train.py"
