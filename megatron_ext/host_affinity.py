@@ -4,9 +4,10 @@
 An eager layer step is ~100 small host calls split between two threads: the main thread runs
 the forward, PyTorch's autograd device thread (`pt_autograd_<device>`) the backward. Left to the
 scheduler, the two land on different cores and each call finds cold caches. On one core they
-share them: the layer's host submission fell by 9-22% at the reference shape on the lent H200
-hosts, with the same device time; the training bench's step time did not change (BENCHMARKS.md,
-eighth session).
+share them: in the one kept run timed in turns at the reference shape the layer's host
+submission fell 9% (x0.91, per-round 0.79..1.21) with the same device time, and a later short run
+measured x1.07; the training bench's step time did not change (BENCHMARKS.md, eighth session).
+Hence off by default.
 Cost accepted: the main thread and whatever it starts afterwards (threads and processes inherit
 the mask) share that core; Megatron starts its process groups and data loaders before the first
 forward, so they keep every core.

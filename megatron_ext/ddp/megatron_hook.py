@@ -17,8 +17,12 @@ must use the same mesh, or expert gradients of different shards are summed), che
 against the averaging rule of megatron_ext.ddp.buckets, and makes every bucket group launch in
 one order (bucket groups sorted by the backward position of their parameters) shared by
 `register_grad_ready`, `start_grad_sync` and `finish_grad_sync`. `FoldingDistributedDataParallel`
-is the same as a subclass; with Megatron's training loop set
-`megatron.training.training.DDP = FoldingDistributedDataParallel` before `setup_model_and_optimizer`.
+is the same as a subclass. Megatron 0.19.2's training loop wraps models in two places:
+`get_model` (a `model_provider_func`) reads the module global `megatron.training.training.DDP`,
+which a script may set to `FoldingDistributedDataParallel` before `setup_model_and_optimizer`;
+the model-config builder path that `pretrain_gpt.py` and megatron_ext.launch take
+(`megatron.training.models.dist_utils._ddp_wrap`) picks `DistributedDataParallel` itself, which
+is why the launcher refuses `--moe-ext-ddp-buckets` (not wired there yet).
 
 Private Megatron names relied on are all listed in `check_megatron_ddp_internals()`
 (megatron_internals.py, re-exported here), which raises MegatronInternalsChanged naming each

@@ -14,7 +14,7 @@ pass the quantizer straight through: d(tokens) is the dispatch backward of d(exp
 The dispatch returns a zero-stride BF16 "anchor" [C, H] and the payload. The anchor is the
 autograd edge between the dispatch and the experts and costs no memory; the payload reaches
 the experts explicitly, as the `tokens_per_expert` argument Megatron's MoELayer hands them
-(`MXFP8Rows`: the per-expert counts plus the payload), and the up-projection reads it
+(`expert_rows.RowGroups`: the per-expert counts and offsets plus the payload), and the up-projection reads it
 (``payload_fc1``). Nothing rides on a tensor attribute, which any op in between (a hook, a
 timer's view) would drop, leaving fc1 to compute on the anchor's zeros.
 
