@@ -1,6 +1,7 @@
 """The failure modes added with the EP>1, faults and structure work: each a clear error, tested."""
 
 import time
+import types
 
 import pytest
 import torch
@@ -73,21 +74,26 @@ def test_watchdog_names_the_overdue_phase_and_ends_the_process(monkeypatch, caps
     assert fresh.overdue() is None  # pending, but within the timeout
 
 
-def test_watchdog_does_not_charge_a_barrier_for_the_ones_queued_before_it():
+def test_watchdog_does_not_charge_a_barrier_for_the_ones_queued_before_it(monkeypatch):
     """A host that runs ahead enqueues barriers long before the device reaches them: each one's wait
     counts from when the one before it completed (a review's simulation: barriers completing 1 s
-    apart, enqueued together, killed a healthy process at a 3 s timeout)."""
+    apart, enqueued together, killed a healthy process at a 3 s timeout). A simulated clock: a
+    loaded machine's sleep can overrun by more than the margins here."""
+    from megatron_ext.moe import peer_failure
+
+    clock = [1000.0]
+    monkeypatch.setattr(peer_failure, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     watchdog = BarrierWatchdog(timeout_s=0.2, group=None)
-    enqueued = time.monotonic() - 1.0  # all three enqueued a second ago, longer than the timeout
     barriers = [_Event(False) for _ in range(3)]
+    enqueued = clock[0] - 1.0  # all three enqueued a second ago, longer than the timeout
     watchdog._pending.extend([(f"barrier {i}", event, enqueued) for i, event in enumerate(barriers)])
     assert watchdog.overdue() == "barrier 0"  # the first one really has been pending for a second
     for i in range(2):  # the device reaches each barrier 0.1 s after the one before: healthy
         barriers[i].done = True
         assert watchdog.overdue() is None, f"barrier {i + 1} charged for the time before barrier {i} completed"
-        time.sleep(0.1)
+        clock[0] += 0.1
         assert watchdog.overdue() is None
-    time.sleep(0.15)
+    clock[0] += 0.15
     assert watchdog.overdue() == "barrier 2"  # now it has waited longer than the timeout itself
 
 
