@@ -1,7 +1,6 @@
 """bench/host_census.py: in-step host time per named function, with the originals put back."""
 
 import sys
-import time
 import types
 
 import pytest
@@ -9,10 +8,18 @@ import pytest
 from megatron_ext.bench.host_census import ROWWISE_TARGETS, _resolve, function_census
 
 
+_clock = [0.0]  # a simulated perf_counter: the census's figures stay exact on a loaded CI machine
+
+
 def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    _clock[0] += seconds
+
+
+@pytest.fixture(autouse=True)
+def simulated_clock(monkeypatch):
+    from megatron_ext.bench import host_census
+
+    monkeypatch.setattr(host_census, "time", types.SimpleNamespace(perf_counter=lambda: _clock[0]))
 
 
 @pytest.fixture
@@ -55,9 +62,9 @@ def test_times_and_calls_per_step_and_restores_the_originals(fake_module):
                ("census_fake", "Node.method"), ("census_fake", "Node.missing"), ("census_fake", "Gone.attr")]
     rows = {row["function"]: row for row in function_census(step, targets, iters=5, warmup=1)}
     assert rows["census_fake.helper"]["calls_per_step"] == 2  # once directly, once inside backward
-    assert 4000 <= rows["census_fake.helper"]["us_per_step"] < 8000
-    assert 3000 <= rows["census_fake.Node.backward"]["us_per_step"] < 6000
-    assert 1000 <= rows["census_fake.Node.inherited"]["us_per_step"] < 3000
+    assert rows["census_fake.helper"]["us_per_step"] == pytest.approx(4000)
+    assert rows["census_fake.Node.backward"]["us_per_step"] == pytest.approx(3000)  # inclusive of its helper call
+    assert rows["census_fake.Node.inherited"]["us_per_step"] == pytest.approx(1000)
     assert rows["census_fake.Node.method"]["calls_per_step"] == 1
     assert "census_fake.Node.missing" not in rows and "census_fake.Gone.attr" not in rows
     assert list(rows)[0] == "census_fake.helper"  # costliest first
