@@ -14,7 +14,7 @@ from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
-from megatron_ext.testing.reference import MoEWeights
+from megatron_ext.testing.reference import MoEWeights, route_topk
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 16, 32, 8, 2
 
@@ -62,6 +62,42 @@ def test_overflow_is_an_error_naming_layer_and_factor():
         assert overflowed is not None and not equal
         assert "MoE layer" in overflowed and f"capacity of {capacity} rows" in overflowed
         assert "route(s) overflowed" in overflowed and "--moe-ext-capacity-factor (now 0.5" in overflowed
+
+
+def _demand_per_rank(x, world):
+    """Oracle: routes asked of each EP rank by every rank's tokens (top-k of the logits, from the definition)."""
+    parts = [torch.empty_like(x) for _ in range(world)]
+    torch.distributed.all_gather(parts, x)
+    top_idx, _ = route_topk(torch.cat(parts), MoEWeights.random(EXPERTS, HIDDEN, 16, seed=8).router, TOPK)
+    return torch.bincount(top_idx.reshape(-1), minlength=EXPERTS).view(world, -1).sum(1)
+
+
+def _overflow_numbers_rank(rank, world):
+    layer = _layer(world, capacity_factor=0.5, on_overflow="error")
+    demands = []
+    for seed in (110, 100):  # two forwards; the first one's busiest rank is asked for more
+        x, _ = rank_tokens(rank, TOKENS, HIDDEN, seed=seed)
+        layer(x.view(TOKENS, 1, HIDDEN))
+        demands.append(_demand_per_rank(x, world))
+    with pytest.raises(CapacityExceeded) as raised:
+        layer.check_overflow()
+    layer.check_overflow()  # the check resets the counters: nothing overflowed since
+    return str(raised.value), demands, layer.token_dispatcher.capacity
+
+
+def test_overflow_error_counts_routes_and_names_the_factor_needed():
+    """The numbers in the message against the oracle's demand over two forwards: routes overflowed
+    (a work-conserving keep holds min(asked, C) rows per rank), the busiest rank's largest demand
+    over both forwards (not the last), and that demand over T * K, the rows at capacity factor 1."""
+    world = 2
+    for message, demands, capacity in run_on_ranks(_overflow_numbers_rank, world, sizes=ParallelSizes(ep=world)):
+        assert capacity == rank_capacity(TOKENS, TOPK, world, 0.5, dropless=False)
+        peaks = [int(d.max()) for d in demands]
+        assert peaks[0] > peaks[1] > capacity, (peaks, capacity)  # the peak is not the last forward's
+        overflowed = sum(int((d - capacity).clamp(min=0).sum()) for d in demands)
+        assert f"{overflowed} route(s) overflowed in the last 2 forward(s)" in message, (overflowed, message)
+        assert f"the busiest rank was asked for {peaks[0]} rows" in message, (peaks, message)
+        assert f"needs >= {peaks[0] / (TOKENS * TOPK):.2f})" in message, (peaks, message)
 
 
 def test_config_refuses_conflicting_overflow_settings():
