@@ -10,7 +10,8 @@ from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.specs import moe_builder
 from tests.layer_check import Case, run_and_compare
 from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config, rank_tokens
-from megatron_ext.testing.reference import MoEWeights, assert_close
+from megatron_ext.moe.capacity import rank_capacity
+from megatron_ext.testing.reference import MoEWeights, assert_close, route_topk
 
 
 def build_rowwise(config, **ext):
@@ -125,6 +126,48 @@ def test_all_ranks_agree_bitwise_on_keep_decision():
     metrics = results[0][1]
     assert metrics["steps"] == 1 and metrics["dropped_routes"] == results[0][0]
     assert 0 < metrics["mean_buffer_fill"] <= 1.0
+
+
+def _metrics_rank(rank, world, steps=2, tokens=16, hidden=16, experts=8, topk=2):
+    """read_metrics after `steps` training forwards with drops (capacity factor 0.5), and the oracle's
+    requests per expert from every rank's tokens (top-k of the logits, from the definition)."""
+    weights = MoEWeights.random(experts, hidden, 8, seed=5)
+    layer = build_rowwise(moe_config(hidden=hidden, ffn=8, experts=experts, topk=topk, ep=world), capacity_factor=0.5)
+    load_weights(layer, weights)
+    requested = []
+    for step in range(steps):
+        x, _ = rank_tokens(rank, tokens, hidden, seed=100 + 10 * step)
+        layer(x.view(tokens, 1, hidden))
+        parts = [torch.empty_like(x) for _ in range(world)]
+        torch.distributed.all_gather(parts, x)
+        top_idx, _ = route_topk(torch.cat(parts), weights.router, topk)
+        requested.append(torch.bincount(top_idx.reshape(-1), minlength=experts))
+    return layer.read_metrics(), requested
+
+
+def test_routing_metrics_equal_the_oracles_counts():
+    """read_metrics over two steps with drops: requests per expert as the oracle counts them, kept rows
+    per rank min(asked, C) (the keep is work-conserving), each rank's received rows averaged over the
+    steps, the routes dropped and the bytes moved per step summed over ranks from those counts."""
+    world, steps, tokens, hidden, topk = 2, 2, 16, 16, 2
+    results = run_on_ranks(_metrics_rank, world, sizes=ParallelSizes(ep=world))
+    capacity = rank_capacity(tokens, topk, world, 0.5, dropless=False)
+    requested = results[0][1]
+    per_rank = [r.view(world, -1).sum(1) for r in requested]  # rows each rank was asked for, per step
+    kept = [d.clamp(max=capacity) for d in per_rank]
+    assert any(bool((d > capacity).any()) for d in per_rank), "nothing overflowed: the drops are not exercised"
+    total_kept = int(sum(k.sum() for k in kept))
+    for rank, (metrics, _) in enumerate(results):
+        assert metrics["steps"] == steps and metrics["capacity"] == capacity
+        assert metrics["requested_per_expert"] == sum(requested).tolist(), metrics
+        kept_per_rank = torch.tensor(metrics["kept_per_expert"]).view(world, -1).sum(1)
+        assert kept_per_rank.tolist() == sum(kept).tolist(), (metrics, kept)
+        fill = sum(int(k[rank]) for k in kept) / capacity / steps
+        assert abs(metrics["mean_buffer_fill"] - fill) < 1e-9, (metrics["mean_buffer_fill"], fill)
+        assert metrics["dispatch_row_bytes"] == hidden * 4 and metrics["dispatch_buffer_bytes"] == capacity * hidden * 4
+    assert sum(m["dropped_routes"] for m, _ in results) == int(sum(r.sum() for r in requested)) - total_kept
+    moved = sum(m["dispatched_bytes_per_step"] for m, _ in results)
+    assert moved * steps == total_kept * hidden * 4, (moved, total_kept)
 
 
 def _shared_experts_rank(rank, world):
