@@ -12,7 +12,7 @@ import torch
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, megatron_ddp, moe_config
-from megatron_ext.testing.reference import MoEWeights
+from megatron_ext.testing.reference import MoEWeights, assert_close
 
 pytestmark = pytest.mark.gpu
 SHAPE = dict(hidden=1024, ffn=512, experts=16, topk=4)
@@ -67,7 +67,7 @@ def test_replay_equals_eager_with_live_microbatches(weights, live):
         for i in range(live):
             assert torch.equal(graphed[0][i], eager[0][i]), f"step {step} microbatch {i} output"
             assert torch.equal(graphed[1][i], eager[1][i]), f"step {step} microbatch {i} input grad"
-        torch.testing.assert_close(graphed[2], eager[2], rtol=1e-2, atol=1e-2)  # summed over microbatches
+        assert_close(graphed[2], eager[2], rtol=1e-2, what=f"step {step} fc1 weight grad (summed over microbatches)")
 
 
 def test_one_f_one_b_order_equals_eager(weights):
@@ -270,7 +270,7 @@ def test_runner_after_eager_training_steps_and_eval(weights):
         got, want = run_pipelined(layer, [(x, g)]), run_pipelined(twin, [(x, g)])
         assert layer._graph_runner.eager_reason is None, layer._graph_runner.eager_reason
         assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[1][0], want[1][0]), f"step {step}"
-        torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-2)
+        assert_close(got[2], want[2], rtol=1e-2, what=f"step {step} fc1 weight grad")
     with torch.no_grad():  # evaluation after capture: the replay slots do not hold the leases now
         layer.eval(), twin.eval()
         assert torch.equal(layer(batches[0][0])[0], twin(batches[0][0])[0])
@@ -296,7 +296,7 @@ def test_plain_autograd_accumulation_over_replays_equals_eager(weights):
     static = {g.data_ptr() for g in graphed._graph_runner.slots[0].grads[1:] if g is not None}
     assert not any(p.grad.data_ptr() in static for p in graphed.parameters())
     for got, want in zip(_param_grads(graphed), _param_grads(eager)):
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert_close(got, want, rtol=2e-2, what="accumulated param grad")
 
 
 def test_replay_under_megatron_ddp_matches_eager_without_copying_grads(weights):
@@ -321,7 +321,7 @@ def test_replay_under_megatron_ddp_matches_eager_without_copying_grads(weights):
     assert graphed_ddp.module._graph_runner.eager_reason is None, graphed_ddp.module._graph_runner.eager_reason
     for p_graph, p_eager in zip(graphed_ddp.module.parameters(), eager_ddp.module.parameters()):
         assert p_graph.grad is None
-        torch.testing.assert_close(p_graph.main_grad, p_eager.main_grad, rtol=2e-2, atol=2e-2)
+        assert_close(p_graph.main_grad, p_eager.main_grad, rtol=2e-2, what="main_grad")
 
 
 def test_expert_wgrad_fusion_under_ddp_equals_ddp_add_eager_and_replayed(weights):
