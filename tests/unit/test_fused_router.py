@@ -38,3 +38,47 @@ def test_a_users_own_router_class_is_kept():
     base = get_submodules(get_gpt_layer_local_submodules(num_experts=2).mlp)
     base.router = MyRouter
     assert _router_of(specs.moe_builder(MoEExtConfig(), base)) is MyRouter
+
+
+# Every Megatron router setting the fused kernel does not implement (plain softmax top-k with the
+# switch load-balancing loss is all it computes), with the reason the router must give for it. A
+# setting missing from FusedTopKRouter.unfused would be silently ignored on the GPU: other routes,
+# probabilities or losses than Megatron's, with no error.
+NOT_FUSED = [
+    (dict(moe_router_score_function="sigmoid"), "moe_router_score_function='sigmoid'"),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1), "moe_router_load_balancing_type='sinkhorn'"),
+    (dict(moe_router_load_balancing_type="seq_aux_loss"), "seq_aux_loss"),
+    (dict(moe_router_load_balancing_type="global_aux_loss"), "global_aux_loss"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1), "group-limited routing"),
+    (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"), "moe_router_enable_expert_bias"),
+    (dict(moe_z_loss_coeff=1e-3), "moe_z_loss_coeff"),
+    (dict(moe_input_jitter_eps=0.1), "moe_input_jitter_eps"),
+    (dict(moe_router_force_load_balancing=True), "moe_router_force_load_balancing"),
+    (dict(moe_router_force_biased=0.5), "moe_router_force_biased"),
+    (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
+    (dict(moe_router_dtype="fp64"), "moe_router_dtype='fp64'"),
+    (dict(moe_enable_routing_replay=True), "router replay"),
+    (dict(add_bias_linear=True), "a router bias (add_bias_linear)"),
+    (dict(moe_router_fusion=True), "moe_router_fusion (Transformer Engine's fused router)"),
+]
+
+
+def _unfused_rank(rank, world):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_ext.testing.megatron_moe import moe_config
+
+    found = []
+    for overrides, _ in NOT_FUSED:
+        settings = {**dict(hidden=16, experts=8, topk=2, moe_router_load_balancing_type="aux_loss",
+                           moe_aux_loss_coeff=1e-2), **overrides}
+        found.append(FusedTopKRouter(config=moe_config(**settings), pg_collection=get_default_pg_collection()).unfused)
+    return found
+
+
+def test_each_setting_the_kernel_does_not_compute_runs_megatrons_routing():
+    from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+    (found,) = run_on_ranks(_unfused_rank, 1, sizes=ParallelSizes())
+    for (overrides, reason), unfused in zip(NOT_FUSED, found):
+        assert reason in unfused, f"{overrides}: fused anyway (unfused={unfused})"
