@@ -132,10 +132,10 @@ class MoEExtConfig:
 
     def _type_problems(self):
         """A value of the wrong type (bool is not an int here, a string is not a number)."""
-        expected = {name: (bool, "True or False") for name in (
+        expected = {name: ((bool,), "True or False") for name in (
             "dropless", "dropless_arena", "mxfp8_dispatch", "cuda_graphs", "ddp_buckets", "debug_poison",
             "debug_checks", "fused_route_map", "fused_router", "pin_host_threads", "expert_wgrad_fusion")}
-        expected.update({name: (int, "an integer") for name in ("metrics_interval", "replica_check_interval",
+        expected.update({name: ((int,), "an integer") for name in ("metrics_interval", "replica_check_interval",
                                                                  "lease_slots")})
         expected["max_tokens_per_rank"] = ((int, type(None)), "an integer or None")
         expected["capacity_factor"] = ((int, float), "a number such as 1.25")
@@ -143,7 +143,6 @@ class MoEExtConfig:
         expected["peer_timeout_s"] = ((int, float, type(None)), "a number of seconds or None")
         for name, (kinds, wanted) in expected.items():
             value = getattr(self, name)
-            kinds = kinds if isinstance(kinds, tuple) else (kinds,)
             if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
                 yield f"{name} must be {wanted}, got {value!r} ({type(value).__name__})"
 
@@ -164,12 +163,11 @@ class MoEExtConfig:
                    f"use e.g. 1.25, or dropless=True to never drop routes")
         if not (self.arena_region_factor > 0 and math.isfinite(self.arena_region_factor)):
             yield f"arena_region_factor must be > 0 and finite, got {self.arena_region_factor}"
-        for name, lowest, value in (("max_tokens_per_rank", 1, self.max_tokens_per_rank),
-                                    ("metrics_interval", 0, self.metrics_interval),
-                                    ("replica_check_interval", 0, self.replica_check_interval),
-                                    ("lease_slots", 1, self.lease_slots)):
+        for name, lowest, also in (("max_tokens_per_rank", 1, " (or None)"), ("metrics_interval", 0, ""),
+                                   ("replica_check_interval", 0, ""), ("lease_slots", 1, "")):
+            value = getattr(self, name)
             if value is not None and value < lowest:
-                yield f"{name} must be >= {lowest}{' (or None)' if name == 'max_tokens_per_rank' else ''}, got {value}"
+                yield f"{name} must be >= {lowest}{also}, got {value}"
         if self.on_overflow == "error" and self.dropless:
             yield ("on_overflow='error' bounds the capacity by capacity_factor (bounded dropless); "
                    "dropless=True sizes it for the worst case instead: choose one")
@@ -249,6 +247,7 @@ class MoEExtConfig:
         if self.dropless:
             yield ("dropless_arena bounds the buffers by one budget per microbatch; dropless=True sizes "
                    "every layer for the worst case instead: choose one")
+        # A non-positive or non-finite factor is already reported by _value_problems.
         if 0 < self.arena_region_factor < math.inf and not self.arena_region_factor <= self.capacity_factor:
             yield (f"arena_region_factor must be > 0 and at most capacity_factor ({self.capacity_factor}): "
                    f"the regions are part of the budget; got {self.arena_region_factor}")

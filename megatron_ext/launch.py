@@ -99,13 +99,14 @@ def check_megatron_hook_points() -> None:
             f"changed:\n  - " + "\n  - ".join(problems))
 
 
-def _chain_providers(first, second):
-    """One extra_args_provider that runs `first` (may be None), then `second`."""
-    if first is None:
-        return second
+def _chain_providers(*providers):
+    """One extra_args_provider that runs `providers` in order (None entries skipped)."""
+    providers = [provider for provider in providers if provider is not None]
 
     def chained(parser):
-        return second(first(parser))
+        for provider in providers:
+            parser = provider(parser)
+        return parser
 
     return chained
 
@@ -291,8 +292,7 @@ def install() -> callable:
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        provider = _chain_providers(extra_args_provider, add_moe_ext_args)
-        provider = _chain_providers(_chain_providers(provider, escape_stray_percent), suggest_close_flags)
+        provider = _chain_providers(extra_args_provider, add_moe_ext_args, escape_stray_percent, suggest_close_flags)
         args = original(provider, ignore_unknown_args)
         prepare_parsed_args(args)
         return args
