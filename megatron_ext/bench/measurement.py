@@ -163,21 +163,23 @@ def make_step(layer, x, grad_out, grads: str = "param"):
     grads="param": parameter and input grads are reset to None first, so that a step does the
     layer's own work only and each weight gradient lands in `param.grad`. grads="ddp": every
     parameter of the layer gets Megatron DDP's main_grad protocol (an fp32 `main_grad`, the
-    `grad_added_to_main_grad` flag and DDP's add hook: megatron_ext.testing.ddp_main_grads), zeroed
-    before each step as DDP's zero_grad_buffer does; the grouped experts then add their weight
-    gradients into main_grad inside their GEMM (the fused path training runs), and other
-    parameters' gradients are added by the hook."""
+    `grad_added_to_main_grad` flag and DDP's add hook: megatron_ext.testing.ddp_main_grads); the
+    grouped experts then add their weight gradients into main_grad inside their GEMM (the fused
+    path training runs), and other parameters' gradients are added by the hook. main_grad
+    accumulates over the steps as over the microbatches of one iteration (as in bench_graphs):
+    DDP zeroes it once per iteration, a fill of the whole fp32 buffer (0.49 ms per step at the
+    reference shape on an H100) that a layer step is not charged."""
     if grads not in GRADS:
         raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
     params = list(layer.parameters())
     x = x.clone().requires_grad_(True)
     if grads == "ddp":
-        from megatron_ext.testing.ddp_main_grads import attach_main_grads, zero_main_grads
+        from megatron_ext.testing.ddp_main_grads import attach_main_grads
 
         attach_main_grads(params)
 
         def reset():
-            zero_main_grads(params)
+            pass
     else:
         def reset():
             for param in params:  # the layer's own work only: no gradient accumulation adds

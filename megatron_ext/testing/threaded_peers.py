@@ -6,7 +6,9 @@ CPU tensors, so the Triton row kernels (under TRITON_INTERPRET=1) store into and
 "peers" for real. A barrier is a threading.Barrier over the ranks. The interpreter runs a
 kernel to completion on the calling thread, so a thread's order is its "device" order and the
 only cross-rank ordering is the barrier: exactly the contract the GPU transport relies on.
-Delays between phases (`sleep`) reproduce a slow or fast peer deterministically.
+A late rank (`phase_delay("late<r>")`) waits until every peer is parked at a barrier or done, so
+the peers have run as far ahead as the barriers let them, whatever the host's load: no sleep
+stands in for "late enough".
 
 Triton's interpreter is not thread-safe, so `serialize_kernels` makes the transport's kernel
 entry points run one at a time (a kernel is atomic, as if the ranks shared one device queue);
@@ -31,6 +33,7 @@ class ThreadedPeers:
         self._lock = threading.Lock()
         self._allocations: list[list[torch.Tensor]] = []
         self.barriers_passed = [0] * world
+        self._finished = 0
 
     def heap(self, rank: int) -> "RankHeap":
         return RankHeap(self, rank)
@@ -57,12 +60,16 @@ class ThreadedPeers:
             except BaseException as error:  # noqa: BLE001 - reported below with its rank
                 errors[rank] = error
                 self._barrier.abort()  # never leave the other ranks waiting
+            finally:
+                with self._lock:
+                    self._finished += 1
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        self._finished = 0
         for rank, error in enumerate(errors):
             if error is not None and not isinstance(error, threading.BrokenBarrierError):
                 raise RuntimeError(f"simulated rank {rank} failed: {type(error).__name__}: {error}") from error
@@ -70,6 +77,18 @@ class ThreadedPeers:
             if error is not None:
                 raise RuntimeError(f"simulated rank {rank}: barrier broken") from error
         return results
+
+
+    def wait_until_peers_parked(self, timeout_s: float = 60.0) -> None:
+        """Block the calling rank until each other rank waits at a barrier or has finished: they
+        have then done every write the barriers allow before this rank's next phase."""
+        deadline = time.monotonic() + timeout_s
+        while self._barrier.n_waiting + self._finished < self.world - 1:
+            if self._barrier.broken:
+                return  # a peer failed: run() reports it
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"simulated peers did not park at a barrier within {timeout_s} s")
+            time.sleep(0.0005)
 
 
 class _Barrier:
@@ -114,14 +133,15 @@ def schedule_events(schedule: str) -> list[tuple[str, int]]:
     return [(event[0], int(event[1:])) for event in schedule.split()]
 
 
-def phase_delay(mode: str, rank: int, rng) -> "callable":
-    """A rank's pause between phases: "random" (0-3 ms from `rng`), "late<r>" (25 ms on rank r only:
-    its peers run ahead as far as the barriers let them), anything else none."""
+def phase_delay(mode: str, rank: int, rng, peers: ThreadedPeers) -> "callable":
+    """A rank's pause between phases: "random" (0-3 ms from `rng`), "late<r>" (rank r only waits
+    until its peers are parked at a barrier or done: they run ahead as far as the barriers let
+    them), anything else none."""
     def wait():
         if mode == "random":
             sleep_ms(rng.uniform(0, 3))
         elif mode == f"late{rank}":
-            sleep_ms(25)
+            peers.wait_until_peers_parked()
     return wait
 
 

@@ -78,7 +78,7 @@ def rank_main(rank, world, cf, region_factor, slots, schedule, delay, steps, see
     rng = random.Random(seed * 97 + rank)
     failures, spilled = [], 0
 
-    wait = phase_delay(delay, rank, rng)
+    wait = phase_delay(delay, rank, rng, PEERS)
 
     def forward(step, mb):
         saved, pending = [], None

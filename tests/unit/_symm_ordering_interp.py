@@ -108,7 +108,7 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
     rng = random.Random(seed * 97 + rank)
     failures, dropped = [], 0
 
-    wait = phase_delay(delay, rank, rng)
+    wait = phase_delay(delay, rank, rng, PEERS)
 
     for step in range(steps):
         live = {}

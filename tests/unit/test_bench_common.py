@@ -242,8 +242,9 @@ def test_interleaved_ms_reports_the_spread_of_per_round_ratios():
 
 
 def test_make_step_ddp_grads_follow_megatrons_main_grad_protocol():
-    """grads="ddp": gradients land in fp32 main_grad (zeroed each step, as DDP's buffer is), .grad
-    stays empty; grads="param": in .grad, reset each step."""
+    """grads="ddp": gradients accumulate in fp32 main_grad over the steps (the microbatches of one
+    iteration: DDP zeroes it per iteration, not per step), .grad stays empty; grads="param": in
+    .grad, reset each step."""
     import pytest
 
     from megatron_ext.bench.measurement import make_step
@@ -265,9 +266,11 @@ def test_make_step_ddp_grads_follow_megatrons_main_grad_protocol():
     step()
     weight = layer.linear.weight
     assert weight.grad is None and weight.main_grad.dtype == torch.float32
-    torch.testing.assert_close(weight.main_grad, expected)  # one step's gradient, not two
+    torch.testing.assert_close(weight.main_grad, 2 * expected)  # two microbatches' gradients
     plain = Layer()
-    make_step(plain, x, grad_out)()
+    plain_step = make_step(plain, x, grad_out)
+    plain_step()
+    plain_step()
     assert not hasattr(plain.linear.weight, "main_grad")
     torch.testing.assert_close(plain.linear.weight.grad, expected)
     with pytest.raises(ValueError, match="grads must be one of"):
