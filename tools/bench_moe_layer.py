@@ -30,7 +30,8 @@ times more there than in a loop).
 grouped experts add theirs into fp32 main_grad inside their weight-gradient GEMM, the path
 training takes (megatron_ext.testing.ddp_main_grads), accumulated over the steps as over the
 microbatches of one iteration (DDP zeroes main_grad once per iteration). "% of dense" differs
-between the two; the JSON records the choice. TFLOP/s credits only the routes kept (tokens x top-k less the dropped).
+between the two; the JSON records the choice. TFLOP/s credits only the routes kept (tokens x
+top-k less the dropped).
 
     python tools/bench_moe_layer.py [--tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
 """

@@ -178,16 +178,11 @@ def make_step(layer, x, grad_out, grads: str = "param"):
 
         attach_main_grads(params)
 
-        def reset():
-            pass
-    else:
-        def reset():
-            for param in params:  # the layer's own work only: no gradient accumulation adds
-                param.grad = None
-
     def step():
         x.grad = None
-        reset()
+        if grads == "param":
+            for param in params:  # the layer's own work only: no gradient accumulation adds
+                param.grad = None
         out, _ = layer(x)
         out.backward(grad_out)
         return out

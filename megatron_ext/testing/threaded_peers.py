@@ -78,7 +78,6 @@ class ThreadedPeers:
                 raise RuntimeError(f"simulated rank {rank}: barrier broken") from error
         return results
 
-
     def wait_until_peers_parked(self, timeout_s: float = 60.0) -> None:
         """Block the calling rank until each other rank waits at a barrier or has finished: they
         have then done every write the barriers allow before this rank's next phase."""
