@@ -17,7 +17,10 @@ stack's forward+backward captured in one CUDA graph: device work without the hos
 arena_spill_moe_act_graph.
 Reported: device ms per stack step in turns (--rounds rounds, dense GEMMs of the step's FLOPs first
 in every round), host ms, bytes the forward leaves held for the backward plus the dispatch slots or
-arena the layers keep between steps, peak above that, blocking CUDA calls.
+arena the layers keep between steps, peak above that, blocking CUDA calls. `--profile A,B`
+(two of --paths, e.g. per_layer,arena) also profiles those two steps after the timed rounds and lists
+the kernels whose device time differs most, with each step's busy and idle device time: where
+one path loses time to the other.
 At EP=1 every layer receives exactly T * K rows, so the arena holds what the others hold: this
 measures what its mechanisms cost. Under torchrun EP is the world size (issue 20's EP=2 figures:
 memory is the largest rank's; the arena budget is --arena-capacity-factor); --skew biases the
@@ -25,6 +28,7 @@ routers toward rank 0's experts.
 
     python tools/bench_dropless_arena.py [--layers 4 --tokens 8192 --experts 64 --topk 8 --hidden 2048 --ffn 1024]
     torchrun --nproc-per-node 2 tools/bench_dropless_arena.py --paths megatron_gg,dropless,per_layer,arena
+    python tools/bench_dropless_arena.py --paths per_layer,arena --profile per_layer,arena
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.kernel_profile import print_profile_pair, profile_pair
 from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_after, host_time_ms, interleaved_ms,
                                             median, peak_memory, ratio_in_rounds, ratio_text)
@@ -162,8 +167,10 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="dropless_arena")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
+    parser.add_argument("--profile", default=None, help="two of --paths, comma-separated: their kernels compared")
     args = parser.parse_args()
     check_layer_shape(parser, args)
+    profiled = profile_paths(parser, args)
     require_cuda("tools/bench_dropless_arena.py")
     world, rank = 1, 0
     if "WORLD_SIZE" in os.environ:  # torchrun: EP = world size
@@ -237,7 +244,23 @@ def main():
     if any(row.get("dropped_routes") for row in rows):
         print("A path that dropped routes did less work than a dropless one: compare its time and memory with that "
               "in mind, or raise --capacity-factor / --arena-capacity-factor.")
-    finish(world, {"args": vars(args), "ep": world, "rows": rows, "dense_gemm_ms": timed["dense_gemm"]}, args)
+    payload = {"args": vars(args), "ep": world, "rows": rows, "dense_gemm_ms": timed["dense_gemm"]}
+    if profiled:
+        payload["profile"] = profile_pair({path: steps[path] for path in profiled})
+        print_profile_pair(f"{profiled[0]} against {profiled[1]}", payload["profile"])
+    finish(world, payload, args)
+
+
+def profile_paths(parser, args) -> list[str]:
+    """--profile's two paths, each one of --paths (checked before anything is built)."""
+    if args.profile is None:
+        return []
+    names = args.profile.split(",")
+    if len(names) != 2 or not set(names) <= set(args.paths.split(",")):
+        parser.error(f"--profile takes two of --paths ({args.paths}), comma-separated, got {args.profile!r}")
+    if "WORLD_SIZE" in os.environ:
+        parser.error("--profile profiles one process: run it without torchrun")
+    return names
 
 
 def _largest_rank(row: dict, world: int) -> dict:

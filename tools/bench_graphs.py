@@ -24,7 +24,7 @@ import torch
 from megatron_ext.bench.cli_types import list_of, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.gpu_clocks import ClockSampler
-from megatron_ext.bench.kernel_profile import kernel_differences, profile_kernels
+from megatron_ext.bench.kernel_profile import print_profile_pair, profile_pair
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
 from megatron_ext.bench.results import write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_ddp, moe_config
@@ -123,27 +123,6 @@ def clock_figures(clocks_runs: list[dict], step_ms: float) -> dict:
     return figures
 
 
-def profile_pair(steps: dict) -> dict:
-    """Both modes under the profiler: every kernel's device time, the timelines, the largest differences."""
-    profiles = {mode: profile_kernels(step, iters=5, top=1000) for mode, step in steps.items()}
-    timelines = {mode: {k: v for k, v in p["device_timeline"].items() if k != "top_gaps"}
-                 for mode, p in profiles.items()}
-    return {"kernel_ms_per_iter": {mode: p["kernel_ms_per_iter"] for mode, p in profiles.items()},
-            "timeline": timelines, "top_gaps": {mode: p["device_timeline"]["top_gaps"][:5]
-                                                for mode, p in profiles.items()},
-            "kernel_differences": kernel_differences(profiles["eager"], profiles["graph"], top=15)}
-
-
-def print_profile(tokens: int, profile: dict) -> None:
-    print(f"\nprofile at {tokens} tokens (ms per step):")
-    for mode, timeline in profile["timeline"].items():
-        print(f"  {mode:5s} kernels {profile['kernel_ms_per_iter'][mode]:.3f}  span {timeline['span_ms_per_iter']:.3f}"
-              f"  busy {timeline['busy_ms_per_iter']:.3f}  idle {timeline['idle_ms_per_iter']:.3f}")
-    print(f"  {'eager':>8s} {'graph':>8s} {'graph-eager':>12s}  kernel")
-    for row in profile["kernel_differences"]:
-        print(f"  {row['first_ms']:8.3f} {row['second_ms']:8.3f} {row['difference_ms']:+12.3f}  {row['name'][:90]}")
-
-
 def mhz(mode: dict) -> str:
     return "-" if mode["sm_mhz"] is None else f"{mode['sm_mhz']:.0f}"
 
@@ -193,7 +172,7 @@ def main():
               f"{pair(r, 'energy_mj_per_step', '.2f'):>16s}  {r['eager']['power_limit_w'] or '-'}")
     for r in rows:
         if "profile" in r:
-            print_profile(r["tokens"], r["profile"])
+            print_profile_pair(f"at {r['tokens']} tokens", r["profile"])
     print("wrote", write_result("graphs", {"args": vars(args), "rows": rows}))
 
 

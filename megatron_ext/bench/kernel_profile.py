@@ -103,6 +103,33 @@ def kernel_differences(first: dict, second: dict, top: int = 12) -> list[dict]:
     return sorted(rows, key=lambda row: (-abs(row["difference_ms"]), row["name"]))[:top]
 
 
+def profile_pair(steps: dict[str, Callable[[], object]]) -> dict:
+    """Two named steps under the profiler: each one's kernel time and device timeline (busy and
+    idle time per step, its longest gaps) and the kernels whose time differs most, second - first."""
+    if len(steps) != 2:
+        raise ValueError(f"profile_pair compares two steps, got {len(steps)}: {sorted(steps)}")
+    profiles = {name: profile_kernels(step, iters=5, top=1000) for name, step in steps.items()}
+    first, second = profiles.values()
+    timelines = {name: {k: v for k, v in p["device_timeline"].items() if k != "top_gaps"}
+                 for name, p in profiles.items()}
+    return {"kernel_ms_per_iter": {name: p["kernel_ms_per_iter"] for name, p in profiles.items()},
+            "timeline": timelines, "top_gaps": {name: p["device_timeline"]["top_gaps"][:5]
+                                                for name, p in profiles.items()},
+            "kernel_differences": kernel_differences(first, second, top=15)}
+
+
+def print_profile_pair(title: str, profile: dict) -> None:
+    """profile_pair's result: a line per step (kernels, span, busy, idle), then the differences."""
+    names = list(profile["timeline"])
+    print(f"\nprofile {title} (ms per step):")
+    for name, timeline in profile["timeline"].items():
+        print(f"  {name:12s} kernels {profile['kernel_ms_per_iter'][name]:.3f}  span {timeline['span_ms_per_iter']:.3f}"
+              f"  busy {timeline['busy_ms_per_iter']:.3f}  idle {timeline['idle_ms_per_iter']:.3f}")
+    print(f"  {names[0][:12]:>12s} {names[1][:12]:>12s} {'difference':>11s}  kernel")
+    for row in profile["kernel_differences"]:
+        print(f"  {row['first_ms']:12.3f} {row['second_ms']:12.3f} {row['difference_ms']:+11.3f}  {row['name'][:90]}")
+
+
 def _innermost_op(event, host_ops) -> str:
     """Name of the shortest non-runtime host op whose time range contains `event`."""
     start = event.time_range.start

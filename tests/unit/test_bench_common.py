@@ -185,10 +185,11 @@ def test_interleaved_ms_refuses_no_rounds():
 
 
 
-def test_bench_graphs_profile_pair_and_its_printout(capsys):
-    """bench_graphs --profile: both modes profiled (CPU callables here: no device kernels, so no
-    differences), and the printout has the two timelines and one row per kernel difference."""
-    from tools.bench_graphs import print_profile, profile_pair
+def test_profile_pair_and_its_printout(capsys):
+    """bench_graphs / bench_dropless_arena --profile: both steps profiled (CPU callables here: no
+    device kernels, so no differences), and the printout has the two timelines and one row per
+    kernel difference."""
+    from megatron_ext.bench.kernel_profile import print_profile_pair, profile_pair
 
     a = torch.randn(64, 64)
     profile = profile_pair({"eager": lambda: a @ a, "graph": lambda: (a @ a).sort(dim=1)})
@@ -197,10 +198,12 @@ def test_bench_graphs_profile_pair_and_its_printout(capsys):
     profile["kernel_differences"] = [{"name": "gemm", "first_ms": 3.0, "second_ms": 3.1, "difference_ms": 0.1},
                                      {"name": "staging copy", "first_ms": 0.0, "second_ms": 0.02,
                                       "difference_ms": 0.02}]
-    print_profile(64, profile)
+    print_profile_pair("at 64 tokens", profile)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert lines[0] == "profile at 64 tokens (ms per step):" and len(lines) == 6
     assert lines[4].split() == ["3.000", "3.100", "+0.100", "gemm"]
+    with pytest.raises(ValueError, match="compares two steps, got 1"):
+        profile_pair({"eager": lambda: a @ a})
 
 
 def test_bench_graphs_clock_figures_give_energy_per_step():

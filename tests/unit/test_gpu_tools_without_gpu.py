@@ -58,6 +58,11 @@ def test_help_and_argument_errors_come_before_the_gpu_check():
     wrong = subprocess.run([sys.executable, "tools/bench_training.py", "--variants", "nope"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "unknown variants ['nope']" in wrong.stderr, wrong.stderr[-2000:]
+    unprofiled = subprocess.run([sys.executable, "tools/bench_dropless_arena.py", "--paths", "per_layer,arena",
+                                 "--profile", "per_layer,dropless"], cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+    assert unprofiled.returncode == 2 and "--profile takes two of --paths (per_layer,arena)" in unprofiled.stderr, \
+        unprofiled.stderr[-2000:]
 
 
 def test_require_cuda_returns_with_a_gpu_and_exits_2_without(monkeypatch, capsys):
