@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from megatron_ext.cuda_graphs.schedule import live_microbatches
 from megatron_ext.config import DISPATCHERS, OVERFLOW_POLICIES, RETURN_TRANSFERS, ROUTER_GEMMS, TRANSPORTS, MoEExtConfig
-from megatron_ext.rules import (MXFP8_PROBS_ON_INPUT, ExpertSettings, arena_args_problems, expert_problems,
+from megatron_ext.rules import (MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings, arena_args_problems, expert_problems,
                                 graph_runner_clash, moe_problems, rowwise_problems)
 
 GROUP_TITLE = "megatron_ext MoE"
@@ -288,10 +288,13 @@ def _ext_flag_conflicts(args) -> list[str]:
     """--moe-ext-* flags against the model's shape (combinations of the flags themselves are
     MoEExtConfig's checks, reported with flag names by ext_config_from_args)."""
     hidden = getattr(args, "hidden_size", None)
+    problems = []
     if getattr(args, "moe_ext_mxfp8_dispatch") and hidden is not None and hidden % 32:
-        return [f"--moe-ext-mxfp8-dispatch needs --hidden-size divisible by 32 (one E8M0 scale per 32 "
-                f"values), got --hidden-size {hidden}"]
-    return replica_check_conflicts(args)
+        problems.append(f"--moe-ext-mxfp8-dispatch needs --hidden-size divisible by 32 (one E8M0 scale per 32 "
+                        f"values), got --hidden-size {hidden}")
+    if getattr(args, "moe_ext_mxfp8_dispatch") and getattr(args, "fp16", False):
+        problems.append(MXFP8_FP16)
+    return problems or replica_check_conflicts(args)
 
 
 def replica_check_conflicts(args) -> list[str]:

@@ -319,6 +319,10 @@ ARENA_PROBS_ON_INPUT = ("moe_apply_probs_on_input (--moe-apply-probs-on-input) s
 MXFP8_PROBS_ON_INPUT = ("moe_apply_probs_on_input (--moe-apply-probs-on-input) scales the experts' input rows, and "
                         "with --moe-ext-mxfp8-dispatch fc1 reads the MXFP8 payload instead of those rows (the "
                         "probabilities would be dropped): drop one of the two")
+# Why fp16 rows cannot travel as MXFP8 (moe/layer.py, the launcher): the quantizers widen bf16 and fp32
+# rows only, so an fp16 model would build and then fail at its first forward, deep in the dispatch.
+MXFP8_FP16 = ("--moe-ext-mxfp8-dispatch quantizes bf16 (--bf16) or fp32 rows, and --fp16 makes the dispatched "
+              "rows fp16: train with --bf16, or drop --moe-ext-mxfp8-dispatch")
 
 
 def arena_args_problems(args) -> list[str]:

@@ -20,7 +20,7 @@ from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
-from megatron_ext.rules import (MXFP8_PROBS_ON_INPUT, ExpertSettings, changed_after_build, expert_problems,
+from megatron_ext.rules import (MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings, changed_after_build, expert_problems,
                                 graph_runner_clash, moe_problems, rowwise_problems)
 
 def check_megatron_config(config, ext_config: MoEExtConfig | None = None) -> None:
@@ -46,6 +46,8 @@ class RowwiseMoELayer(MoELayer):
             from megatron_ext.formats.mxfp8 import check_hidden
 
             check_hidden(config.hidden_size)
+            if config.fp16 or config.params_dtype == torch.float16:
+                raise ValueError(MXFP8_FP16)
         ep_size = pg_collection.ep.size()
         if config.num_moe_experts % ep_size:  # the group may differ from config.expert_model_parallel_size
             raise ValueError(f"num_moe_experts={config.num_moe_experts} is not divisible by the expert-parallel "

@@ -68,6 +68,17 @@ def test_mxfp8_rejects_hidden_not_multiple_of_32():
     run_on_ranks(_bad_hidden_rank, 1, sizes=ParallelSizes())
 
 
+def _fp16_rank(rank, world):
+    config = moe_config(hidden=64, ffn=32, dtype=torch.float16, fp16=True)
+    with pytest.raises(ValueError, match=r"quantizes bf16.*--fp16.*train with --bf16"):
+        moe_builder(MoEExtConfig(transport="torch", mxfp8_dispatch=True))(config=config)
+
+
+def test_mxfp8_refuses_fp16_rows_when_the_layer_is_built():
+    """fp16 rows cannot be quantized: refused at build, not at the first forward's dispatch."""
+    run_on_ranks(_fp16_rank, 1, sizes=ParallelSizes())
+
+
 def test_tiny_gpt_trains_as_well_with_mxfp8_dispatch():
     from megatron_ext.tiny_gpt import TinyGPTConfig, train
 

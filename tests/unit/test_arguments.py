@@ -119,6 +119,7 @@ def _parse(parser, argv):
      ["--num-experts 6", "--expert-model-parallel-size 4"]),
     (MOE_MODEL + ["--moe-ext-mxfp8-dispatch", "--hidden-size", "100"],
      ["--moe-ext-mxfp8-dispatch", "--hidden-size 100"]),
+    (MOE_MODEL + ["--moe-ext-mxfp8-dispatch", "--fp16"], ["--moe-ext-mxfp8-dispatch", "--fp16", "--bf16"]),
     (MOE_MODEL + ["--moe-mlp-glu-interleave-size", "8"],
      ["--moe-mlp-glu-interleave-size 8", "--moe-ext-dispatcher rowwise", "--moe-ext-dispatcher megatron"]),
     (MOE_MODEL + ["--moe-apply-probs-on-input"], ["--moe-apply-probs-on-input", "--moe-router-topk 1"]),
