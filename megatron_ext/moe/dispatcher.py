@@ -42,6 +42,14 @@ def routing_map_to_topk(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.where(ids < num_experts, ids, -1)
 
 
+def topk_probs(probs: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
+    """[T, E] router probabilities at the [T, K] top-k ids -> [T, K] fp32, 0 in empty slots (-1), as
+    the fused select writes them. A where, not a product with the mask: a NaN at an expert the token did
+    not pick (Megatron's token drop leaves NaN * 0 there) would survive NaN * 0 into the slot and into
+    the non-finite route count, which counts selected routes only."""
+    return torch.where(top_idx >= 0, probs.gather(1, top_idx.clamp(min=0)).float(), 0.0)
+
+
 class RowwiseTokenDispatcher(MoETokenDispatcher):
     """Device-only dispatcher: capacity buffers in, capacity buffers out, no host waits."""
 
@@ -122,7 +130,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
             self.top_idx, top_probs, self.selection = fused_routes.select(routing_map, probs, self.topk)
         else:
             self.top_idx, self.selection = routing_map_to_topk(routing_map, self.topk), None
-            top_probs = probs.gather(1, self.top_idx.clamp(min=0)).float() * (self.top_idx >= 0)
+            top_probs = topk_probs(probs, self.top_idx)
         return tokens, top_probs  # moe_apply_probs_on_input: the experts scale their input rows
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):

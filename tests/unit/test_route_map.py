@@ -303,3 +303,47 @@ def test_capacity():
         args.update(kwargs)
         with pytest.raises(ValueError, match=match):
             rank_capacity(**args)
+
+
+def _torch_form_preprocess(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """RowwiseTokenDispatcher.dispatch_preprocess's torch form on a dispatcher whose transport exists
+    (no process group, no Megatron config needed): -> (top_idx, top_probs)."""
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
+
+    dispatcher = RowwiseTokenDispatcher.__new__(RowwiseTokenDispatcher)
+    dispatcher.transport, dispatcher.arena_layer, dispatcher.topk = object(), None, topk
+    dispatcher.max_tokens, dispatcher.ext_config = routing_map.shape[0], MoEExtConfig(fused_route_map=False)
+    tokens = torch.zeros(routing_map.shape[0], 1, 4)
+    _, top_probs = dispatcher.dispatch_preprocess(tokens, routing_map, probs)
+    return dispatcher.top_idx, top_probs
+
+
+def test_torch_form_counts_only_the_selected_nonfinite_probabilities():
+    """The torch form hands the route map the fused select's contract: 0 in a short token's empty
+    slots and, in nonfinite_routes, the selected routes whose probability is NaN or Inf only. A
+    token with NaN logits whose routes Megatron's capacity drop removed has NaN at every expert
+    (NaN * 0): its empty slots carried that NaN and were counted."""
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, topk = 12, 8, 2
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    routing_map.scatter_(1, torch.rand(num_tokens, num_experts, generator=gen).topk(topk, 1).indices, True)
+    routing_map[2] = False  # a dropped token: no expert left
+    routing_map[5, routing_map[5].nonzero()[0]] = False  # one expert left
+    probs = torch.rand(num_tokens, num_experts, generator=gen)
+    probs[[2, 5]] = float("nan")  # NaN logits: NaN at every expert, picked or not
+    probs[7, routing_map[7].nonzero()[1]] = float("inf")  # a selected route's probability
+    probs[9, (~routing_map[9]).nonzero()[0]] = float("-inf")  # an expert the token did not pick
+    top_idx, top_probs = _torch_form_preprocess(routing_map, probs, topk)
+
+    want_idx = [sorted(row.nonzero().flatten().tolist()) for row in routing_map]
+    want_idx = [ids + [-1] * (topk - len(ids)) for ids in want_idx]
+    assert top_idx.tolist() == want_idx
+    want_probs = torch.tensor([[float(probs[t, e]) if e >= 0 else 0.0 for e in ids] for t, ids in enumerate(want_idx)])
+    assert top_probs.dtype == torch.float32
+    assert torch.equal(top_probs.isnan(), want_probs.isnan()), top_probs
+    assert torch.equal(top_probs.nan_to_num(), want_probs.nan_to_num()), top_probs
+    selected_nonfinite = int((routing_map & ~probs.isfinite()).sum())  # 1 (token 5) + 1 (token 7)
+    assert selected_nonfinite == 2
+    got = rm.route(top_idx, num_experts, capacity=64, probs=top_probs)
+    assert int(got.metrics.nonfinite_routes) == selected_nonfinite
