@@ -3,7 +3,7 @@ Triton's CPU interpreter: equal top-k ids and probabilities, equal route maps an
 probability gradients, for several EP sizes (the other ranks' counts made up), expert counts
 that are not powers of two, top-k 1..8, token counts that are not multiples of a block, balanced
 and skewed routing, with and without drops, a rank with no tokens. A token with fewer than K selected experts gets -1
-routes, counted as dropped.
+routes, counted as dropped. NaN/Inf probabilities: only the selected routes' are counted, as in the torch form.
 
     TRITON_INTERPRET=1 python tests/unit/_route_plan_interp.py
 """
@@ -139,6 +139,33 @@ def check_short_token() -> None:
     print("ok short token")
 
 
+def check_nonfinite_probabilities() -> None:
+    """NaN and Inf probabilities: the fused select counts the selected routes' only (not a NaN at an
+    expert a short token did not pick, which Megatron's token drop leaves as NaN * 0) and writes the
+    same top-k probabilities as the torch form (dispatcher.topk_probs), 0 in empty slots."""
+    from megatron_ext.moe import fused_routes
+    from megatron_ext.moe.dispatcher import routing_map_to_topk, topk_probs
+    from megatron_ext.moe.route_map import route
+
+    routing_map, probs = routing(40, 8, 2, 0.0, 6)
+    probs = probs.detach()
+    routing_map[3] = False
+    routing_map[3, 6] = True  # one expert left
+    probs[3] = float("nan")  # NaN logits: NaN at every expert
+    probs[9, routing_map[9].nonzero()[1]] = float("inf")  # a selected route
+    probs[11, (~routing_map[11]).nonzero()[0]] = float("-inf")  # an expert the token did not pick
+    fused_idx, fused_probs, selection = fused_routes.select(routing_map, probs, 2)
+    torch_idx = routing_map_to_topk(routing_map, 2)
+    torch_probs = topk_probs(probs, torch_idx)
+    assert torch.equal(fused_idx.long(), torch_idx)
+    assert torch.equal(fused_probs.isnan(), torch_probs.isnan()), (fused_probs[3], torch_probs[3])
+    assert torch.equal(fused_probs.nan_to_num(), torch_probs.nan_to_num())
+    assert int(selection.nonfinite) == 2, int(selection.nonfinite)  # token 3's one route, token 9's Inf
+    fused = fused_routes.route(selection, 2, capacity=1000).metrics.nonfinite_routes
+    assert int(fused) == int(route(torch_idx, 8, 1000, probs=torch_probs).metrics.nonfinite_routes) == 2
+    print("ok non-finite probabilities")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
@@ -160,6 +187,7 @@ def main() -> int:
         for spills in (True, False):
             check_arena_case(*case[:5], skew=case[6], seed=10 * seed + 7, spills=spills)
     check_short_token()
+    check_nonfinite_probabilities()
     # A rank with no tokens: one program still writes the plan, the metrics and the cursor.
     check_case(0, 8, 2, 2, 1, 20, 0.0, seed=91)
     check_arena_case(0, 8, 2, 2, 1, 0.0, seed=93, spills=True)
