@@ -347,3 +347,41 @@ def test_torch_form_counts_only_the_selected_nonfinite_probabilities():
     assert selected_nonfinite == 2
     got = rm.route(top_idx, num_experts, capacity=64, probs=top_probs)
     assert int(got.metrics.nonfinite_routes) == selected_nonfinite
+
+
+def test_check_route_map_names_a_kept_route_on_the_wrong_rank():
+    """debug_checks: a kept route sent to a rank that does not own its expert, and a route whose rank
+    and row disagree on being dropped, are each named (two simulated EP ranks, experts 0-1 on rank 0)."""
+    import dataclasses
+
+    top = torch.tensor([[0, 3], [1, 2]])
+    good = rm.route(top, num_experts=4, capacity=16, gather_counts=lambda counts: torch.stack([counts, counts]),
+                    ep_rank=0)
+    rm.check_route_map(good, top, 4, 16, 2)
+    swapped = dataclasses.replace(good, dest_rank=1 - good.dest_rank)  # every route kept, on the other rank
+    with pytest.raises(RuntimeError, match="goes to a rank that does not own its expert"):
+        rm.check_route_map(swapped, top, 4, 16, 2)
+    half_dropped = dataclasses.replace(good, dest_rank=torch.where(top == 3, -1, good.dest_rank).int())
+    with pytest.raises(RuntimeError, match="dest_rank is -1 exactly where dest_row is not"):
+        rm.check_route_map(half_dropped, top, 4, 16, 2)
+
+
+def test_overflow_check_names_the_busiest_load_since_the_last_check():
+    """A check resets the busiest rank's demand with the route sums: a later overflow names its own
+    load and the factor that load needs, not a load an earlier check reported already."""
+    from megatron_ext.moe.overflow import CapacityExceeded, OverflowGuard
+
+    def metrics(requested: list[int], kept: list[int]) -> rm.RouteMetrics:
+        zero = torch.zeros((), dtype=torch.int32)
+        packed = rm.pack_metrics(torch.tensor(requested), torch.tensor(kept), zero, zero, zero)
+        return rm.RouteMetrics(packed, buffer_fill=torch.zeros(()))
+
+    guard = OverflowGuard()  # two EP ranks of two experts each, 16 rows per rank, T * K = 16
+    guard.record(metrics([30, 30, 1, 1], [8, 8, 1, 1]), ep_size=2)  # rank 0 asked for 60 rows
+    with pytest.raises(CapacityExceeded, match="44 route.s. overflowed in the last 1 forward.s. .the busiest rank "
+                                               "was asked for 60 rows"):
+        guard.check("layer 1", 16, 16, 1.0)
+    guard.record(metrics([10, 10, 1, 1], [8, 8, 1, 1]), ep_size=2)  # 20 rows
+    with pytest.raises(CapacityExceeded, match=r"4 route.s. overflowed in the last 1 forward.s. .the busiest rank "
+                                               r"was asked for 20 rows.*needs >= 1\.25"):
+        guard.check("layer 1", 16, 16, 1.0)
