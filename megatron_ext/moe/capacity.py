@@ -42,6 +42,6 @@ def rank_capacity(max_tokens: int, topk: int, ep_size: int, capacity_factor: flo
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}; use e.g. 1.25, "
                          f"or set dropless=True to size for the worst case")
     worst_case = _round_up(ep_size * max_tokens * topk, ROW_ALIGN)
-    if dropless:
+    if dropless or capacity_factor >= ep_size:  # the cap above (an infinite factor cannot reach ceil)
         return worst_case
     return min(_round_up(math.ceil(capacity_factor * max_tokens * topk), ROW_ALIGN), worst_case)

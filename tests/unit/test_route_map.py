@@ -292,6 +292,7 @@ def test_capacity():
     assert rank_capacity(100, 2, 1, 1.25, dropless=False) == rank_capacity(100, 2, 1, 1.0, dropless=True) == 208
     assert rank_capacity(100, 2, 2, 3.0, dropless=False) == rank_capacity(100, 2, 2, 1.0, dropless=True) == 400
     assert rank_capacity(100, 2, 2, 1.9, dropless=False) == 384  # below the worst case: unchanged
+    assert rank_capacity(100, 2, 2, float("inf"), dropless=False) == 400  # capped, not OverflowError
     for kwargs, match in (
             (dict(capacity_factor=0.0), "capacity_factor"),
             (dict(capacity_factor=-1.0), "capacity_factor"),
