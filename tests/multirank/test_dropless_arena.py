@@ -159,6 +159,9 @@ def test_layout_and_settings_are_checked():
     assert layout.view_rows(0) == 256 + 112 and layout.view_rows(3) == 256 + 112
     two = arena_layout(2, 128, 2, 1.5, 0.5)
     assert two.view_rows(0) == 256 and two.view_rows(1) == 640
+    # A region off 16 rows is rounded up (region 270 -> 272), the budget too (1125 -> 1136), the
+    # shared area takes the rest: 1136 - 3 * 272.
+    assert arena_layout(3, 100, 3, 1.25, 0.9) == ArenaLayout(3, 272, 320)
     with pytest.raises(ValueError, match="at most capacity_factor"):
         MoEExtConfig(dropless_arena=True, capacity_factor=1.1, arena_region_factor=1.2)
     with pytest.raises(ValueError, match="choose one"):
