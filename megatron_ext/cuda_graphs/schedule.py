@@ -15,7 +15,7 @@ def live_microbatches(pp_size: int, pp_rank: int, num_microbatches: int, vpp_siz
 
     No pipeline: 1 (forward then backward of each microbatch). 1F1B: the stage runs
     pp_size - pp_rank - 1 warm-up forwards, then one more forward before its first backward.
-    Interleaved (vpp_size model chunks per stage, Megatron's --microbatch-group-size-per-vp-stage
+    Interleaved (vpp_size model chunks per stage, Megatron's --microbatch-group-size-per-virtual-pipeline-stage
     `microbatch_group_size`, default pp_size): megatron-core 0.19.2 runs
     (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * microbatch_group_size warm-up forwards across all
     chunks, one more with --overlap-moe-expert-parallel-comm, before the first backward; every layer
