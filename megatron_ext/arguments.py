@@ -143,7 +143,7 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "instead of adding them to main_grad inside the weight-gradient GEMM in fp32 (the default "
                  "saves a pass over the expert gradients per microbatch, ~1.1 ms in isolation and ~0.6 ms "
                  "of a layer step's kernel time at 64 experts of 2048 x 1024 on an H200, and rounds them "
-                 "once less). With the fusion on, whether or not --gradient-accumulation-fusion is set, "
+                 "once less). With the fusion on, with or without --no-gradient-accumulation-fusion, "
                  "the expert weights' .grad (and torch.autograd.grad's result for them) is an unwritten "
                  "placeholder under Megatron's DDP, as for Megatron's own fused linear layers: the "
                  "gradient is in main_grad. Turn the fusion off for code that reads .grad."),
