@@ -243,10 +243,11 @@ def _name_flags(message: str) -> str:
 # ---- checks against Megatron's own arguments ------------------------------------------------------
 
 def _rowwise_conflicts(args) -> list[str]:
-    """Megatron options the rowwise dispatcher refuses (megatron_ext.rules, shared with the layer)."""
-    problems = rowwise_problems(args) + graph_runner_clash(args, args)
+    """Megatron options the rowwise dispatcher refuses (megatron_ext.rules, shared with the layer). The
+    graph runner's and the arena's clashes name both flags themselves; --moe-ext-dispatcher megatron
+    refuses those settings too, so it is not offered there."""
     return [f"--moe-ext-dispatcher rowwise cannot be combined with {problem}; or use --moe-ext-dispatcher megatron"
-            for problem in problems]
+            for problem in rowwise_problems(args)] + graph_runner_clash(args, args)
 
 
 def _schedule_conflicts(args) -> list[str]:

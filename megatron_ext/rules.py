@@ -130,7 +130,8 @@ def graph_runner_clash(settings, ext) -> list[str]:
                         f"recomputes inside each layer and works with the arena)")
     graph_flag = _megatron_graph_flag(settings)
     if ext_value("dropless_arena") and graph_flag:
-        problems.append(f"{graph_flag} with --moe-ext-dropless-arena: CUDA graphs are not built for the arena yet")
+        problems.append(f"{graph_flag} with --moe-ext-dropless-arena: Megatron's CUDA graphs are not built for the "
+                        f"arena yet; drop one (--moe-ext-cuda-graphs captures the MoE layer with the arena)")
     if ext_value("cuda_graphs"):
         problems += _nccl_in_graph("--moe-ext-cuda-graphs", settings, ext_value("transport"))
     if not graph_flag:

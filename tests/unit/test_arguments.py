@@ -170,6 +170,26 @@ def test_all_problems_are_listed_at_once(megatron_parser):
     assert "--swiglu" not in message and "--disable-bias-linear" not in message  # every expert variant runs
 
 
+@pytest.mark.parametrize("argv,advice", [
+    (MOE_MODEL + ["--cuda-graph-impl", "local", "--moe-ext-dropless-arena"], "drop one (--moe-ext-cuda-graphs"),
+    (MOE_MODEL + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--moe-ext-cuda-graphs"],
+     "drop one"),
+    (MOE_MODEL + ["--recompute-granularity", "selective", "--recompute-modules", "moe", "--moe-ext-dropless-arena"],
+     "drop one"),
+    (MOE_MODEL + ["--moe-ext-cuda-graphs", "--moe-ext-transport", "torch", "--expert-model-parallel-size", "2"],
+     "use --moe-ext-transport symm"),
+    (MOE_MODEL + ["--cuda-graph-impl", "local", "--moe-ext-cuda-graphs"], "keep one"),
+])
+def test_graph_and_recompute_clashes_do_not_offer_the_megatron_dispatcher(megatron_parser, argv, advice):
+    """--moe-ext-dispatcher megatron refuses the graph runner, the arena and a transport: offering it
+    as the way out of these clashes would send the user to another refusal."""
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(_parse(megatron_parser, argv))
+    message = str(error.value)
+    assert "--moe-ext-dispatcher megatron" not in message and "cannot be combined with" not in message, message
+    assert advice in message, message
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["--moe-ext-capacity-factor", "0"], "--moe-ext-capacity-factor"),
     (["--moe-ext-lease-slots", "0"], "--moe-ext-lease-slots"),
