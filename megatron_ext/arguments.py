@@ -180,16 +180,17 @@ def add_moe_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                                        "used by MoE models (--num-experts) built from megatron_ext.specs.")
     for flag in FLAGS:
         default = _default(flag.field)
+        text = flag.help.replace("%", "%%")  # argparse formats help texts: "18-35%" is not a format code
         if flag.kind == "value":
             shown = "" if default is None else f" (default: {default})"
             group.add_argument(flag.flag, dest=flag.dest, type=flag.type, choices=flag.choices,
-                               default=default, metavar=flag.metavar, help=flag.help + shown)
+                               default=default, metavar=flag.metavar, help=text + shown)
         elif flag.kind == "on":
             assert default is False, flag
-            group.add_argument(flag.flag, dest=flag.dest, action="store_true", help=flag.help)
+            group.add_argument(flag.flag, dest=flag.dest, action="store_true", help=text)
         elif flag.kind == "off":
             assert default is True, flag
-            group.add_argument(flag.flag, dest=flag.dest, action="store_false", help=flag.help)
+            group.add_argument(flag.flag, dest=flag.dest, action="store_false", help=text)
         else:
             raise AssertionError(f"unknown flag kind {flag.kind!r}")
     return parser

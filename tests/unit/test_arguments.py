@@ -77,6 +77,17 @@ def test_help_lists_every_flag(megatron_parser):
         assert flag.flag in text
 
 
+
+def test_help_prints_without_the_launchers_escaping(capsys):
+    """A parser of its own (python -m megatron_ext.arguments, a patched pretrain_gpt.py's
+    extra_args_provider) prints the group's help: a '%' in a help text is not read as a format code."""
+    from megatron_ext.arguments import main
+
+    text = add_moe_ext_args(argparse.ArgumentParser()).format_help()
+    assert "18-35% of the host time" in text, text
+    main([])
+    assert "--moe-ext-pin-host-threads" in capsys.readouterr().out
+
 def test_readme_table_matches_the_flags():
     with open(os.path.join(REPO_ROOT, "README.md")) as handle:
         readme = handle.read()
