@@ -11,8 +11,8 @@ for real data.
     python -m megatron_ext.launch examples/pretrain_gpt.py ...     # the same, through the launcher
 
 See examples/run_1gpu.sh and examples/run_8gpu_folding.sh. Supports TP (dense layers), PP, CP,
-EP and Megatron's distributed optimizer; for SFT, FIM, packed sequences or MTP run Megatron-LM's
-own pretrain_gpt.py through `python -m megatron_ext.launch` instead.
+EP and Megatron's distributed optimizer; for SFT, FIM, packed sequences or MTP (dense models: MTP's
+MoE layers would be Megatron's) run Megatron-LM's own pretrain_gpt.py through `python -m megatron_ext.launch`.
 Written against megatron-core 0.19.2.
 """
 
@@ -45,17 +45,20 @@ def parse_arguments(argv: list[str] | None = None):
     """Megatron's args with the --moe-ext-* group, validated; MoE specs installed for MoE models."""
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_ext.arguments import add_moe_ext_args
+    from megatron_ext.arguments import MoEExtArgumentError, add_moe_ext_args
     from megatron_ext.launch import escape_stray_percent, prepare_parsed_args
 
     sys.argv = [sys.argv[0], *default_to_mock_data(sys.argv[1:] if argv is None else argv)]
     args = parse_and_validate_args(extra_args_provider=lambda parser: escape_stray_percent(add_moe_ext_args(parser)),
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
+    try:  # first: megatron_ext refuses some of UNSUPPORTED itself (--mtp-num-layers with --num-experts)
+        prepare_parsed_args(args)  # idempotent when the launcher already did it
+    except MoEExtArgumentError as error:  # one message, as the launcher prints it
+        raise SystemExit(f"megatron_ext: error: {error}") from None
     for field, flag in UNSUPPORTED.items():
         if getattr(args, field, None):
             raise SystemExit(f"examples/pretrain_gpt.py does not handle {flag}; run Megatron-LM's pretrain_gpt.py "
                              f"through python -m megatron_ext.launch for it")
-    prepare_parsed_args(args)  # idempotent when the launcher already did it
     return args
 
 

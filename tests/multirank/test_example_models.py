@@ -65,6 +65,25 @@ def test_pretrain_gpt_entry_keeps_megatrons_layer_under_megatrons_spec():
     assert abs(result["loss_per_token"] - torch.log(torch.tensor(128.0)).item()) < 1.0 and result["expert_grads"]
 
 
+def _pretrain_gpt_refusal(rank, world, extra_argv):
+    example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "pretrain_gpt.py"), run_name="example")
+    try:
+        example["parse_arguments"]([*TINY_ARGV, *extra_argv])
+    except SystemExit as stop:
+        return str(stop.code)
+    return None
+
+
+def test_pretrain_gpt_entry_refuses_in_one_message():
+    """Run directly (torchrun examples/pretrain_gpt.py), a refused combination is one message, not a
+    traceback, and MTP with experts is not sent to the launcher, which refuses it too."""
+    mtp = run_on_ranks(_pretrain_gpt_refusal, 1, ["--mtp-num-layers", "1"], sizes=ParallelSizes(), timeout=180)[0]
+    assert mtp.startswith("megatron_ext: error:") and "not from --spec" in mtp and "launch" not in mtp, mtp
+    capacity = run_on_ranks(_pretrain_gpt_refusal, 1, ["--moe-expert-capacity-factor", "1.0"], sizes=ParallelSizes(),
+                            timeout=180)[0]
+    assert capacity.startswith("megatron_ext: error:") and "--moe-expert-capacity-factor 1.0" in capacity, capacity
+
+
 def test_custom_model_example_swaps_only_the_moe_layer(capsys):
     example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "custom_model.py"), run_name="example")
     results = example["main"](["--ranks", "2"])
