@@ -3,8 +3,9 @@
 The model is not a GPTModel: a token classifier (embedding -> TransformerBlock -> mean pool ->
 linear head) whose block spec is written by hand: a dense layer, then a MoE layer, then a dense
 layer again (Megatron's local layer specs). `megatron_ext.specs.swap_moe_parts` returns a copy of
-that spec tree with the MoE layer's MLP slot replaced by megatron_ext's RowwiseMoELayer and
-grouped experts; the dense layers, the router and everything else stay Megatron's.
+that spec tree with the MoE layer's MLP slot replaced by megatron_ext's RowwiseMoELayer, grouped
+experts and FusedTopKRouter (Megatron's TopKRouter with the same parameters, its routing fused on
+GPUs); the dense layers and everything else stay Megatron's.
 
 Runs on CPU ranks (gloo, forked) with the reference row transport, EP = number of ranks:
 
