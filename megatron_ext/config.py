@@ -203,9 +203,11 @@ class MoEExtConfig:
                    f"(leave transport='auto')")
         changed = [name for name in self.changed_fields() if name in ROWWISE_ONLY]
         if changed:
-            yield (f"{', '.join(changed)} only apply to dispatcher='rowwise' (dispatcher='megatron' "
-                   f"sizes, routes and moves tokens by Megatron's own --moe-* settings and would "
-                   f"ignore them): leave them at their defaults or use dispatcher='rowwise'")
+            verb, it, defaults = ("applies", "it", "its default") if len(changed) == 1 else \
+                ("apply", "them", "their defaults")
+            yield (f"{', '.join(changed)} only {verb} to dispatcher='rowwise' (dispatcher='megatron' sizes, routes "
+                   f"and moves tokens by Megatron's own --moe-* settings and would ignore {it}): leave {it} at "
+                   f"{defaults} or use dispatcher='rowwise'")
 
     def changed_fields(self) -> list[str]:
         """The fields set to something other than their default, in declaration order."""

@@ -123,8 +123,14 @@ def test_overflow_policy_auto_is_error_with_the_arena_and_drop_otherwise():
     ("arena_region_factor", 0.5), ("router_gemms", "cublas")])
 def test_rowwise_settings_are_refused_not_ignored_under_megatrons_dispatcher(field, value):
     MoEExtConfig(**{field: value}, **({"dropless_arena": True} if field == "arena_region_factor" else {}))  # rowwise
-    with pytest.raises(ValueError, match=rf"{field} only apply to dispatcher='rowwise'"):
+    with pytest.raises(ValueError, match=rf"^{field} only applies to dispatcher='rowwise'.*leave it at its default"):
         MoEExtConfig(dispatcher="megatron", **{field: value})
+
+
+def test_several_rowwise_settings_under_megatrons_dispatcher_are_named_together():
+    with pytest.raises(ValueError, match=r"^capacity_factor, lease_slots only apply to dispatcher='rowwise'.*leave "
+                                         r"them at their defaults"):
+        MoEExtConfig(dispatcher="megatron", capacity_factor=2.0, lease_slots=2)
 
 
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
