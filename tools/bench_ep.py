@@ -229,6 +229,10 @@ def parse_args(argv=None):
     unknown = set(args.paths.split(",")) - set(PATHS)
     if unknown:
         parser.error(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
+    shape = asdict(TINY_SHAPE if args.tiny else EP8_SHAPE)
+    topk, experts = args.topk or shape["topk"], args.experts or shape["experts"]
+    if topk > experts:
+        parser.error(f"--topk {topk} is more than --experts {experts}: a token routes to distinct experts")
     return args
 
 

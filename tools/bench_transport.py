@@ -376,7 +376,12 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="transport")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    base = TINY if args.tiny else FULL
+    topk, experts = args.topk or base.topk, args.experts or base.experts
+    if topk > experts:
+        parser.error(f"--topk {topk} is more than --experts {experts}: a token routes to distinct experts")
+    return args
 
 
 def setup_from_args(args) -> Setup:

@@ -20,6 +20,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
      "kernel configurations: BLOCK_H must be a power of two in [1, 65536], got 3000 in '3000x4'"),
     ("bench_transport.py", ["--kernel-configs", "4096"], "expected BLOCK_HxWARPS such as 4096x8, got '4096'"),
     ("bench_ep.py", ["--iters", "0"], "argument --iters: expected an integer >= 1, got 0"),
+    ("bench_ep.py", ["--device", "cpu", "--tiny", "--topk", "99"], "--topk 99 is more than --experts 8"),
+    ("bench_transport.py", ["--device", "cpu", "--tiny", "--topk", "9"], "--topk 9 is more than --experts 8"),
     ("dropless_memory_probe.py", ["--ep", "0"], "EP sizes: expected an integer >= 1, got 0"),
     ("dropless_memory_probe.py", ["--arena-budget", "1.0,2.0"], "RF <= CF"),
     ("host_sync_audit.py", ["--topk", "20"], "--topk 20 is more than --experts 16"),
