@@ -46,7 +46,7 @@ from megatron_ext.bench.kernel_profile import print_profile_pair, profile_pair
 from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.bench.measurement import (cuda_time_ms, dense_gemm_step, held_after, host_time_ms, interleaved_ms,
                                             median, peak_memory, ratio_in_rounds, ratio_text)
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.testing.megatron_moe import load_weights, moe_config
 from megatron_ext.testing.moe_stack import stack_forward
 from megatron_ext.testing.reference import MoEWeights
@@ -166,7 +166,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="dropless_arena")
-    parser.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
+    add_results_dir_arg(parser)
     parser.add_argument("--profile", default=None, help="two of --paths, comma-separated: their kernels compared")
     args = parser.parse_args()
     check_layer_shape(parser, args)
@@ -278,8 +278,7 @@ def _largest_rank(row: dict, world: int) -> dict:
 
 def finish(world: int, payload, args) -> None:
     if payload is not None:
-        kwargs = {} if args.results_dir is None else {"results_dir": args.results_dir}
-        print(f"wrote {write_result(args.name, payload, **kwargs)}")
+        print(f"wrote {write_result(args.name, payload, args.results_dir)}")
     if world > 1:
         import torch.distributed as dist
 

@@ -94,7 +94,7 @@ from megatron_ext.bench.ep_report import (TARGET_SHORTER, dispatch_combine_ratio
                                           print_table, same_routes, summarize)
 from megatron_ext.bench.flops import moe_model_flops
 from megatron_ext.bench.measurement import held_for_backward, make_step, peak_memory
-from megatron_ext.bench.repo_paths import RESULTS_DIR
+from megatron_ext.bench.results import add_results_dir_arg
 
 
 # ----------------------------------------------------------------------------- one path on one rank
@@ -224,7 +224,7 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=positive_int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="ep_layer")
-    parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+    add_results_dir_arg(parser)
     args = parser.parse_args(argv)
     unknown = set(args.paths.split(",")) - set(PATHS)
     if unknown:

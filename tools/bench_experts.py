@@ -22,7 +22,7 @@ Shapes: `reference` = 8192 tokens, 64 experts, top-8 (65536 rows), hidden 2048, 
 that land on this rank's experts (about 16384 rows), same hidden/ffn; `tiny` for a quick
 check of the tool itself.
 
-    python tools/bench_experts.py [--shapes reference,ep8_rank] [--iters 20] [--warmup 5] [--out-dir DIR]
+    python tools/bench_experts.py [--shapes reference,ep8_rank] [--iters 20] [--warmup 5] [--results-dir DIR]
 
 Exits 1 (after writing the JSON) when a parity check fails, and 2 at once, writing nothing,
 without a CUDA GPU.
@@ -41,8 +41,7 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.flops import moe_model_flops
 from megatron_ext.bench.kernel_profile import profile_kernels
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median, peak_memory
-from megatron_ext.bench.repo_paths import RESULTS_DIR
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.testing.expert_variants import trainable_reference_config
 from megatron_ext.testing.megatron_moe import moe_config
 from megatron_ext.testing.single_rank import init_single_rank_megatron
@@ -356,7 +355,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated expert variants, from {sorted(VARIANTS)} (default: swiglu)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per measurement (median)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations before each measurement")
-    parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where the JSON result goes")
+    add_results_dir_arg(parser)
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -381,7 +380,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     print_table(results)
     path = write_result("experts", {"args": vars(args), "parity_rtol": PARITY_RTOL, "shapes": results,
-                                    "failures": failures}, args.out_dir)
+                                    "failures": failures}, args.results_dir)
     print(f"\nwrote {path}")
     for failure in failures:
         print(f"PARITY FAILURE: {failure}", file=sys.stderr)

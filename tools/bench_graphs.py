@@ -26,7 +26,7 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.gpu_clocks import ClockSampler
 from megatron_ext.bench.kernel_profile import print_profile_pair, profile_pair
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_ddp, moe_config
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
@@ -145,6 +145,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="alternating eager/graph measurements per size")
     parser.add_argument("--profile", type=positive_int, default=None,
                         help="token count (one of --tokens) whose eager and graph steps are also profiled")
+    add_results_dir_arg(parser)
     args = parser.parse_args()
     if args.profile is not None and args.profile not in args.tokens:
         parser.error(f"--profile {args.profile} must be one of --tokens {args.tokens}")
@@ -173,7 +174,7 @@ def main():
     for r in rows:
         if "profile" in r:
             print_profile_pair(f"at {r['tokens']} tokens", r["profile"])
-    print("wrote", write_result("graphs", {"args": vars(args), "rows": rows}))
+    print("wrote", write_result("graphs", {"args": vars(args), "rows": rows}, args.results_dir))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from megatron_ext.bench.cli_types import positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
 from megatron_ext.bench.reference_layer import rowwise_layer_step
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.host_affinity import host_core
 
 CONFIGS = ("free", "one_core", "main_autograd")
@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--tokens", type=positive_int, default=8192)
     parser.add_argument("--rounds", type=positive_int, default=7)
     parser.add_argument("--iters", type=positive_int, default=20)
+    add_results_dir_arg(parser)
     args = parser.parse_args()
     require_cuda("tools/bench_host_affinity.py")
     step = rowwise_layer_step(args.tokens)
@@ -67,7 +68,7 @@ def main():
               f"x{ratio:.3f} of free; device {median(device[config]):.3f} ms "
               f"({min(device[config]):.3f}..{max(device[config]):.3f})", flush=True)
     path = write_result("host_affinity", {"args": vars(args), "core": core, "allowed_cores": sorted(allowed),
-                                          "configs": result})
+                                          "configs": result}, args.results_dir)
     print(f"wrote {path}")
 
 

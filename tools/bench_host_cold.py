@@ -31,7 +31,7 @@ from megatron_ext.bench.cli_types import positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.measurement import median, synchronize
 from megatron_ext.bench.reference_layer import EXPERTS, HIDDEN, rowwise_layer_step
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 
 GPU_SLEEP_CYCLES = 2_000_000  # ~1-2 ms of torch.cuda._sleep on an H200
 LONG_SLEEP_CYCLES = 40_000_000  # longer than a layer step's device time
@@ -67,6 +67,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=positive_int, default=8192)
     parser.add_argument("--iters", type=positive_int, default=30)
+    add_results_dir_arg(parser)
     args = parser.parse_args()
     require_cuda("tools/bench_host_cold.py")
     step = rowwise_layer_step(args.tokens)
@@ -116,7 +117,8 @@ def main():
                  "back_to_back_per_step": step_us(lambda: None, steps=2)}
     for name, us in step_host.items():
         print(f"layer step host, {name:22s}: {us / 1e3:.3f} ms", flush=True)
-    path = write_result("host_cold", {"args": vars(args), "gating_gemm_us": op_us, "step_host_us": step_host})
+    path = write_result("host_cold", {"args": vars(args), "gating_gemm_us": op_us, "step_host_us": step_host},
+                        args.results_dir)
     print(f"wrote {path}")
 
 

@@ -23,7 +23,7 @@ from megatron_ext.bench.cli_types import positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_shape
 from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, interleaved_ms, make_step, ratio_text
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.bench.tree_copy import import_tree
 from megatron_ext.testing.megatron_moe import moe_config
 from megatron_ext.testing.reference import MoEWeights
@@ -56,6 +56,7 @@ def main():
     parser.add_argument("--iters", type=positive_int, default=20)
     parser.add_argument("--device", action="store_true", help="also device time (fwd+bwd) in turns")
     parser.add_argument("--name", default="host_trees")
+    add_results_dir_arg(parser)
     args = parser.parse_args()
     check_layer_shape(parser, args)
     require_cuda("tools/bench_host_trees.py")
@@ -96,7 +97,8 @@ def main():
                   f"{figures['max_ms']:.3f})  {ratio_text(table, name, 'baseline')} of the baseline "
                   "(median, min..max of per-round ratios)")
     print("wrote", write_result(args.name, {"args": vars(args), "bitwise_equal": bitwise,
-                                            "max_difference": max_diff, "host": host, "device": device}))
+                                            "max_difference": max_diff, "host": host, "device": device},
+                                args.results_dir))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from megatron_ext.bench.layer_shape import add_layer_shape_args, check_layer_sha
 from megatron_ext.bench.kernel_profile import profile_kernels
 from megatron_ext.bench.measurement import (GRADS, cuda_time_ms, dense_gemm_step, held_for_backward, host_time_ms,
                                             make_step, median, peak_memory)
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_moe_layer, moe_config
 from megatron_ext.testing.reference import MoEWeights
 from megatron_ext.testing.single_rank import init_single_rank_megatron
@@ -221,6 +221,7 @@ def parse_args(argv=None):
     parser.add_argument("--grads", choices=GRADS, default="param",
                         help="where the weight gradients go: param (param.grad, each step's own) or ddp (Megatron "
                              "DDP's fp32 main_grad protocol: the grouped experts' fused wgrad path, as in training)")
+    add_results_dir_arg(parser)
     args = parser.parse_args(argv)
     check_layer_shape(parser, args)
     return args
@@ -291,7 +292,7 @@ def main(argv=None):
               f"{r['host_submit_ms']:8.2f} {r['blocking_cuda_calls']:6d} {mem:9.0f} {held:>9s}")
     path = write_result(args.name, {"args": vars(args), "grads": args.grads, "dense_gemm_tflops": dense,
                                     "host_unit_costs_us": unit_costs,
-                                    "rows": rows, "host_ab": host_ab, "device_ab": device_ab})
+                                    "rows": rows, "host_ab": host_ab, "device_ab": device_ab}, args.results_dir)
     print(f"wrote {path}")
 
 

@@ -21,7 +21,7 @@ import torch
 
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.measurement import cuda_time_ms, median
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 
 
 def load_module(path: str, name: str):
@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
+    add_results_dir_arg(parser)
     args = parser.parse_args(argv)
     require_cuda("tools/bench_row_kernels.py")
     from megatron_ext.kernels import row_transfer as tree
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     path = write_result("row_kernels", {"shape": {"tokens": T, "topk": K, "hidden": H, "peers": M,
-                                                  "capacity": capacity}, "baseline": args.baseline, "rows": rows})
+                                                  "capacity": capacity}, "baseline": args.baseline, "rows": rows},
+                        args.results_dir)
     print(f"wrote {path}")
     return 0
 

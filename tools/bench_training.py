@@ -47,7 +47,7 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.functional.case_config import FunctionalCase
 from megatron_ext.bench.functional.compare import values_by_step
 from megatron_ext.bench.functional.training import TrainingFailed, train_variant
-from megatron_ext.bench.results import new_result_path, write_result
+from megatron_ext.bench.results import add_results_dir_arg, new_result_path, write_result
 
 VARIANTS = {
     "megatron": ["--spec", "megatron.training.models.gpt", "default_layer_spec"],
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra-args", default="", help="flags appended to every variant. Note: Megatron's "
                         "--timing-log-level 2 synchronizes the device around every microbatch's forward and "
                         "backward, which removes host/device overlap and slows eager variants more than graphed ones")
+    add_results_dir_arg(parser)
     options = parser.parse_args(argv)
     names = [name.strip() for name in options.variants.split(",") if name.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = options.output_dir or tempfile.mkdtemp(prefix="bench_training_")
     os.makedirs(output_dir, exist_ok=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    path = new_result_path("training")
+    path = new_result_path("training", options.results_dir)
 
     def save(complete: bool) -> dict:
         """Rewrite the result file after every run: a run cut short keeps what it measured."""

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.ep_phase_timing import Clock
-from megatron_ext.bench.repo_paths import RESULTS_DIR
+from megatron_ext.bench.results import add_results_dir_arg
 
 NVLINK_GBPS_PER_DIRECTION = 450.0
 TARGET_FRACTION = 0.60  # issue 11: dispatch bandwidth >= 60% of 450 GB/s per GPU at the largest T
@@ -375,7 +375,7 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=positive_int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="transport")
-    parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+    add_results_dir_arg(parser)
     args = parser.parse_args(argv)
     base = TINY if args.tiny else FULL
     topk, experts = args.topk or base.topk, args.experts or base.experts

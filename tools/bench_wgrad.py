@@ -21,7 +21,7 @@ import torch
 from megatron_ext.bench.cli_types import list_of, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.measurement import cuda_time_ms, interleaved_ms, ratio_in_rounds
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.kernels.grouped_wgrad import DEFAULT_TILES, WgradTiles, accumulate_grouped_wgrad
 
 
@@ -66,6 +66,7 @@ def main():
     parser.add_argument("--main-grad-dtype", choices=["fp32", "bf16"], default="fp32",
                         help="fp32 (Megatron's default in bf16 training) or bf16 (--grad-reduce-in-bf16)")
     parser.add_argument("--name", default="wgrad")
+    add_results_dir_arg(parser)
     args = parser.parse_args()
     if args.capacity_factor < 1 or args.skew < 0:
         parser.error(f"--capacity-factor must be >= 1 (the buffer holds every routed row) and --skew >= 0, got "
@@ -128,7 +129,7 @@ def main():
         print(f"{name:34s} {timing['median_ms']:8.3f} ({timing['min_ms']:.3f}..{timing['max_ms']:.3f}) "
               f"{spread:>28s} {flops / timing['median_ms'] / 1e9:8.0f}")
     print("wrote", write_result(args.name, {"args": vars(args), "max_relative_error": worst,
-                                            "timings": timings, "flops": flops}))
+                                            "timings": timings, "flops": flops}, args.results_dir))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_ext.bench.cli_types import list_of, positive_float, positive_int  # noqa: E402
 from megatron_ext.bench.arena_sizing import best_region_spill, one_budget, per_layer_bound, region_spill, shared_area  # noqa: E402
-from megatron_ext.bench.results import write_result  # noqa: E402
+from megatron_ext.bench.results import add_results_dir_arg, write_result  # noqa: E402
 from megatron_ext.config import MoEExtConfig  # noqa: E402
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks  # noqa: E402
 from megatron_ext.moe.arena import attach_arenas  # noqa: E402
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arena-budget", metavar="CF,RF", type=_arena_budget,
                         help="also train with the dropless arena at this budget and region factor, set ahead "
                              "(not from the demands), e.g. 1.2,0.9")
-    parser.add_argument("--results-dir", help="where the JSON goes (default bench/results)")
+    add_results_dir_arg(parser)
     args = parser.parse_args(argv)
     sizes = args.ep
     if any(MODEL.experts % ep for ep in sizes):
@@ -166,9 +166,8 @@ def main(argv=None) -> int:
               f"{run['arena_over_arrived']:.3f}x the {together} rows all layers received at once (a bound per "
               f"layer at the factor it needed: {run['per_layer_bound_needed_over_arrived_at_once']:.3f}x); "
               f"overflow: {run['overflow'] or 'none'}")
-    kwargs = {} if args.results_dir is None else {"results_dir": args.results_dir}
     path = write_result("dropless_memory", {"capacity_factor": args.capacity_factor, "steps": args.steps,
-                                            "model": vars(MODEL), "rows": rows}, **kwargs)
+                                            "model": vars(MODEL), "rows": rows}, args.results_dir)
     print(f"wrote {path}")
     return 0
 

@@ -29,7 +29,7 @@ from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.functional.case_config import FunctionalCase
 from megatron_ext.bench.functional.compare import values_by_step
 from megatron_ext.bench.functional.training import train_variant
-from megatron_ext.bench.results import write_result
+from megatron_ext.bench.results import add_results_dir_arg, write_result
 
 METRICS = ["lm loss", "iteration-time", "mem-max-allocated-bytes"]
 
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=10, help="last steps averaged for the verdict")
     parser.add_argument("--max-rel-diff", type=float, default=0.02)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the iteration-time median")
+    add_results_dir_arg(parser)
     options = parser.parse_args(argv)
     require_cuda("tools/mxfp8_loss_curve.py")
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     mxfp8 = train_variant(case, ["--moe-ext-mxfp8-dispatch"], output_dir, "mxfp8", METRICS)
     result = {"case": case.name, **compare(bf16, mxfp8, options.window, options.warmup),
               "max_rel_diff_allowed": options.max_rel_diff}
-    path = write_result("mxfp8_loss", result)
+    path = write_result("mxfp8_loss", result, options.results_dir)
 
     print(f"{'step':>5} {'bf16':>10} {'mxfp8':>10} {'diff':>10}")
     for step, a, b in zip(result["steps"], result["loss_bf16"], result["loss_mxfp8"]):

@@ -38,6 +38,13 @@ def env_info() -> dict:
     }
 
 
+def add_results_dir_arg(parser) -> None:
+    """Every tool's --results-dir: where its JSON goes. On the GPU machine pass the device tool's
+    $OUT, so the run's own file comes back and nothing else (the tool returns at most 8 files)."""
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR),
+                        help="where the result JSON goes (default: bench/results)")
+
+
 def new_result_path(name: str, results_dir: str | os.PathLike = RESULTS_DIR) -> Path:
     """A fresh <results_dir>/<name>_<YYYYmmdd-HHMMSS>.json path (not yet written)."""
     results_dir = Path(results_dir)

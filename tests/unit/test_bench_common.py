@@ -278,3 +278,28 @@ def test_make_step_ddp_grads_follow_megatrons_main_grad_protocol():
     torch.testing.assert_close(plain.linear.weight.grad, expected)
     with pytest.raises(ValueError, match="grads must be one of"):
         make_step(plain, x, grad_out, grads="fsdp")
+
+
+def test_every_tool_that_writes_a_result_takes_results_dir(tmp_path):
+    """On the GPU machine a run passes --results-dir $OUT so that its own JSON comes back (the device tool
+    returns at most 8 files; copying bench/results/*.json once lost a run's file). Every tool that writes a
+    result JSON takes the shared flag, and the file lands there."""
+    import argparse
+    import json
+    import pathlib
+
+    from megatron_ext.bench.repo_paths import RESULTS_DIR
+    from megatron_ext.bench.results import add_results_dir_arg, write_result
+
+    tools = pathlib.Path(__file__).resolve().parents[2] / "tools"
+    calls = ("write_result(", "new_result_path(", "finish_run(")
+    writers = [p for p in sorted(tools.glob("*.py")) if any(call in p.read_text() for call in calls)]
+    assert len(writers) >= 14, [p.name for p in writers]
+    missing = [p.name for p in writers if "add_results_dir_arg(parser)" not in p.read_text()]
+    assert not missing, f"tools writing results without --results-dir: {missing}"
+    parser = argparse.ArgumentParser()
+    add_results_dir_arg(parser)
+    assert parser.parse_args([]).results_dir == str(RESULTS_DIR)
+    args = parser.parse_args(["--results-dir", str(tmp_path)])
+    path = write_result("probe", {"x": 1}, args.results_dir)
+    assert path.parent == tmp_path and json.loads(path.read_text())["result"] == {"x": 1}
