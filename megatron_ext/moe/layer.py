@@ -100,10 +100,20 @@ class RowwiseMoELayer(MoELayer):
     @torch.no_grad()
     def _accumulate_metrics(self, metrics) -> None:
         """Running device-side sums in one int64 vector, updated in place by one add (so CUDA
-        graphs keep updating the same tensor): no host read until `read_metrics`."""
+        graphs keep updating the same tensor): no host read until `read_metrics`.
+
+        Its last entry sums this rank's routes beyond the first forward's per forward: a microbatch
+        below T_max has fewer routes, and `read_metrics` must not count the last forward's routes for
+        every step. The add runs only for such a microbatch (none in static training, where every
+        forward and graph replay has the first forward's shape)."""
+        routes = self.token_dispatcher.routes_per_step
         if self._metrics is None:
-            self._metrics = torch.zeros(metrics.packed.shape, dtype=torch.int64, device=metrics.packed.device)
-        self._metrics.add_(metrics.packed)
+            self._metrics = torch.zeros(metrics.packed.numel() + 1, dtype=torch.int64, device=metrics.packed.device)
+            self._metric_sums, self._routes_beyond = self._metrics[:-1], self._metrics[-1:]
+            self._first_routes = routes
+        self._metric_sums.add_(metrics.packed)
+        if routes != self._first_routes:
+            self._routes_beyond.add_(routes - self._first_routes)
 
     def check_overflow(self) -> None:
         """Bounded dropless: raise CapacityExceeded if routes overflowed since the last check (a host read)."""
@@ -129,7 +139,8 @@ class RowwiseMoELayer(MoELayer):
         """Host copy of the routing metrics since the last read (synchronizes: logging steps only)."""
         if self._metrics is None:
             return None
-        totals = unpack_metrics(self._metrics.to("cpu", copy=True))
+        sums = self._metrics.to("cpu", copy=True)
+        totals = unpack_metrics(sums[:-1])
         if reset:
             self._metrics.zero_()
         n = int(totals["steps"])
@@ -137,7 +148,7 @@ class RowwiseMoELayer(MoELayer):
             return None
         dispatcher = self.token_dispatcher
         dropped = int(totals["dropped"])
-        kept_routes = dispatcher.routes_per_step * n - dropped  # this rank's routes that moved
+        kept_routes = self._first_routes * n + int(sums[-1]) - dropped  # this rank's routes that moved
         return {"steps": n, "requested_per_expert": totals["requested"].tolist(),
                 "kept_per_expert": totals["kept"].tolist(), "dropped_routes": dropped,
                 "nonfinite_prob_routes": int(totals["nonfinite"]),

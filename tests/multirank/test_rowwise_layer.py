@@ -303,3 +303,24 @@ def test_ranks_whose_first_microbatches_differ_agree_on_the_capacity():
         for (out, grad, syncs), (want_out, want_grad, want_syncs) in zip(got, want):
             assert torch.equal(out, want_out) and torch.equal(grad, want_grad)
         assert [s for *_, s in got] == [1, 0] and [s for *_, s in want] == [0, 0], "one agreement, at the first forward"
+
+
+def _varying_microbatches_rank(rank, world, token_counts=(16, 4)):
+    """Training forwards of `token_counts` tokens, then an evaluation forward of 2 (not counted), dropless."""
+    layer = build_rowwise(moe_config(hidden=16, ffn=8, experts=4, topk=2, ep=world), dropless=True)
+    load_weights(layer, MoEWeights.random(4, 16, 8, seed=5))
+    for tokens in token_counts:
+        layer(rank_tokens(rank, tokens, 16)[0].view(tokens, 1, 16))
+    layer.eval()
+    with torch.no_grad():
+        layer(rank_tokens(rank, 2, 16)[0].view(2, 1, 16))
+    return layer.read_metrics()
+
+
+def test_dispatched_bytes_count_each_microbatchs_own_routes():
+    """Microbatches below T_max (allowed: a rank holds at most T_max tokens) and an evaluation forward
+    between: the bytes moved per step are the training forwards' kept routes, not the last forward's
+    route count times the steps (which read 4 * 2 routes per step here instead of (16 + 4) * 2 / 2)."""
+    for metrics in run_on_ranks(_varying_microbatches_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert metrics["steps"] == 2 and metrics["dropped_routes"] == 0, metrics
+        assert metrics["dispatched_bytes_per_step"] == (16 + 4) * 2 * 16 * 4 // 2, metrics
