@@ -26,6 +26,10 @@ class Case:
     topk: int = 2
     dtype: torch.dtype = torch.float32
     rtol: float = 1e-5
+    tokens_per_rank: tuple[int, ...] | None = None  # EP ranks may hold fewer than T_max tokens (None: `tokens`)
+
+    def tokens_of(self, rank: int) -> int:
+        return self.tokens if self.tokens_per_rank is None else self.tokens_per_rank[rank]
 
 
 def _ep_group_ranks():
@@ -41,9 +45,9 @@ def _gather_keep(keep_te: torch.Tensor | None, group_ranks):
     from megatron.core import parallel_state
 
     group = parallel_state.get_expert_model_parallel_group()
-    parts = [torch.empty_like(keep_te, dtype=torch.uint8) for _ in group_ranks]
-    dist.all_gather(parts, keep_te.to(torch.uint8), group=group)
-    return {r: p.bool() for r, p in zip(group_ranks, parts)}
+    parts = [None] * len(group_ranks)  # objects: ranks may hold different token counts
+    dist.all_gather_object(parts, keep_te.cpu(), group=group)
+    return {r: p.to(keep_te.device) for r, p in zip(group_ranks, parts)}
 
 
 def run_and_compare(rank: int, case: Case, build_layer: Callable, *, keep_of: Callable | None = None,
@@ -66,8 +70,9 @@ def run_and_compare(rank: int, case: Case, build_layer: Callable, *, keep_of: Ca
         with torch.no_grad():
             (next(iter(layer.experts.parameters()))).add_(0.05)
 
-    x, grad_out = rank_tokens(rank, case.tokens, case.hidden, case.dtype)
-    x_in = x.clone().view(case.tokens, 1, case.hidden).requires_grad_(True)
+    tokens = case.tokens_of(rank)
+    x, grad_out = rank_tokens(rank, tokens, case.hidden, case.dtype)
+    x_in = x.clone().view(tokens, 1, case.hidden).requires_grad_(True)
     out, _ = layer(x_in)
     out.backward(grad_out.view_as(out))
 
@@ -78,7 +83,7 @@ def run_and_compare(rank: int, case: Case, build_layer: Callable, *, keep_of: Ca
                       ref.fc2.detach().float().requires_grad_(True))
     mine = {}
     for r in group_ranks:
-        xr, gr = rank_tokens(r, case.tokens, case.hidden, case.dtype)
+        xr, gr = rank_tokens(r, case.tokens_of(r), case.hidden, case.dtype)
         xr = xr.float().requires_grad_(True)
         router_r = fp32.router.detach().clone().requires_grad_(True)
         top_idx, probs = route_topk(xr, router_r, case.topk)
@@ -90,8 +95,8 @@ def run_and_compare(rank: int, case: Case, build_layer: Callable, *, keep_of: Ca
             mine = dict(out=out_r.detach(), x_grad=xr.grad, router_grad=router_r.grad)
 
     rtol = case.rtol
-    assert_close(out.view(case.tokens, case.hidden), mine["out"], rtol, f"rank {rank} output")
-    assert_close(x_in.grad.view(case.tokens, case.hidden), mine["x_grad"], rtol, f"rank {rank} input grad")
+    assert_close(out.view(tokens, case.hidden), mine["out"], rtol, f"rank {rank} output")
+    assert_close(x_in.grad.view(tokens, case.hidden), mine["x_grad"], rtol, f"rank {rank} input grad")
     assert_close(layer.router.weight.grad, mine["router_grad"], rtol, f"rank {rank} router grad")
     experts = local_expert_range(layer)
     fc1_grad, fc2_grad = expert_grads(layer)

@@ -49,6 +49,29 @@ def test_rowwise_with_drops_matches_oracle_on_kept_routes(world, ep):
     assert sum(dropped) > 0, "nothing dropped: the kept-routes comparison was not exercised"
 
 
+def _odd_group_rank(rank, world, case, ext):
+    """_rowwise_rank, and the routes the layer's metrics count as dropped since the last read."""
+    layers = []
+
+    def build(config):
+        layers.append(build_rowwise(config, **ext))
+        return layers[0]
+
+    run_and_compare(rank, case, build, keep_of=kept_mask)
+    return int((layers[0].token_dispatcher.route_map.dest_row < 0).sum()), layers[0].read_metrics()["dropped_routes"]
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_odd_group_with_uneven_tokens_matches_oracle(dtype, rtol):
+    """EP=3 (the layouts above are powers of two), ranks holding 16, 5 and 11 tokens (T_max 16 is agreed at
+    the first forward), at cf 0.5: every rank's kept routes equal the oracle's, dropped routes add nothing
+    and the metrics count them."""
+    case = Case(experts=6, tokens=16, tokens_per_rank=(16, 5, 11), dtype=dtype, rtol=rtol)
+    results = run_on_ranks(_odd_group_rank, 3, case, dict(capacity_factor=0.5), sizes=ParallelSizes(ep=3))
+    assert all(dropped == counted for dropped, counted in results), results
+    assert sum(dropped for dropped, _ in results) > 0, "nothing dropped: the kept-routes comparison was not exercised"
+
+
 def _poisoned_rank(rank, world):
     seen = []
 
