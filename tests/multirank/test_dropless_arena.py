@@ -20,7 +20,7 @@ from megatron_ext.moe.capacity import rank_capacity
 from megatron_ext.moe.overflow import CapacityExceeded
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.megatron_moe import load_weights, moe_config, rank_tokens
-from megatron_ext.testing.moe_stack import stack_forward, stack_step
+from megatron_ext.testing.moe_stack import stack_forward, stack_grads, stack_step
 from megatron_ext.testing.reference import MoEWeights
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOPK, LAYERS = 32, 32, 16, 8, 2, 3
@@ -29,13 +29,13 @@ TOKENS, HIDDEN, FFN, EXPERTS, TOPK, LAYERS = 32, 32, 16, 8, 2, 3
 MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)
 
 
-def _stack(world, skew: float, recompute: bool = False, **ext):
+def _stack(world, skew: float, recompute: bool = False, experts: int = EXPERTS, **ext):
     layers = torch.nn.ModuleList()
     for index in range(LAYERS):
         layer = moe_builder(MoEExtConfig(transport="torch", **ext))(
-            config=moe_config(hidden=HIDDEN, ffn=FFN, experts=EXPERTS, topk=TOPK, ep=world,
+            config=moe_config(hidden=HIDDEN, ffn=FFN, experts=experts, topk=TOPK, ep=world,
                               **(MOE_ACT if recompute else {})))
-        weights = MoEWeights.random(EXPERTS, HIDDEN, FFN, seed=20 + index)
+        weights = MoEWeights.random(experts, HIDDEN, FFN, seed=20 + index)
         weights.router[0] += skew  # tokens with a positive sum prefer expert 0 (rank 0's) in every layer
         load_weights(layer, weights)
         layers.append(layer)
@@ -296,3 +296,40 @@ def test_a_shared_area_used_to_its_last_row(world, budget):
     short = dataclasses.replace(layout, shared=need[busiest] - 1)
     dropped = run_on_ranks(_arena_rank, world, 0.25, *budget, layout=short, sizes=ParallelSizes(ep=world))
     assert sum(sum(r["dropped"]) for r in dropped) > 0
+
+
+def _in_flight_rank(rank, world, schedule):
+    """Microbatches of 32 and 20 tokens run alone, then both live at once (lease_slots=2) in `schedule`."""
+    data = [(x + 0.5, g) for x, g in (rank_tokens(rank, tokens, HIDDEN, seed=seed) for tokens, seed in ((TOKENS, 100),
+                                                                                                   (20, 200)))]
+    layers = _stack(world, 0.5, experts=6, dropless_arena=True, lease_slots=2, capacity_factor=1.0,
+                    arena_region_factor=0.5, on_overflow="drop")
+    (arena,) = attach_arenas(layers)
+    alone = [stack_step(layers, x.view(-1, 1, HIDDEN), g.view(-1, 1, HIDDEN)) for x, g in data]
+    dropped = sum(layer.read_metrics()["dropped_routes"] for layer in layers)
+    for param in layers.parameters():
+        param.grad = None
+    inputs = [x.view(-1, 1, HIDDEN).clone().requires_grad_(True) for x, _ in data]
+    live = {}
+    for event in schedule.split():
+        mb = int(event[1])
+        if event[0] == "F":
+            live[mb] = stack_forward(layers, inputs[mb])
+        else:
+            live[mb].backward(data[mb][1].view(-1, 1, HIDDEN))
+    equal = [torch.equal(live[mb].detach(), alone[mb][0]) and torch.equal(inputs[mb].grad, alone[mb][1])
+             for mb in range(2)]
+    summed = [a + b for a, b in zip(alone[0][2:], alone[1][2:])]
+    grads_equal = all(torch.equal(got, want) for got, want in zip(stack_grads(layers), summed))
+    return equal, grads_equal, dropped, [slot.busy for slot in arena.slots]
+
+
+@pytest.mark.parametrize("schedule", ["F0 F1 B1 B0", "F0 F1 B0 B1"])
+def test_two_microbatches_in_flight_at_ep3_equal_each_alone(schedule):
+    """EP=3 (an odd group), two microbatches of different sizes live at once in the arena's two slots, with
+    routes dropped (on_overflow="drop"): each one's output and input gradient are bitwise those of running it
+    alone, the weight gradients their sum, and both slots are free after the backwards."""
+    for equal, grads_equal, dropped, busy in run_on_ranks(_in_flight_rank, 3, schedule, sizes=ParallelSizes(ep=3)):
+        assert equal == [True, True] and grads_equal, (equal, grads_equal)
+        assert dropped > 0, "nothing dropped: the fair policy's cuts were not exercised"
+        assert busy == [False, False]
