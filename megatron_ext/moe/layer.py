@@ -119,7 +119,9 @@ class RowwiseMoELayer(MoELayer):
         """Bounded dropless: raise CapacityExceeded if routes overflowed since the last check (a host read)."""
         if self._overflow is not None and self.token_dispatcher.transport is not None:
             dispatcher = self.token_dispatcher
-            where, view, ext = f"MoE layer {self.layer_number}", None, self.ext_config
+            where = "this MoE layer (built without a layer number)" if self.layer_number is None else \
+                f"MoE layer {self.layer_number}"
+            view, ext = None, self.ext_config
             if dispatcher.arena_layer is not None:
                 arena_layer = dispatcher.arena_layer
                 layout = arena_layer.layout

@@ -60,7 +60,9 @@ def test_overflow_is_an_error_naming_layer_and_factor():
     results = run_on_ranks(_bounded_rank, 2, 0.5, sizes=ParallelSizes(ep=2))
     for overflowed, equal, capacity in results:
         assert overflowed is not None and not equal
-        assert "MoE layer" in overflowed and f"capacity of {capacity} rows" in overflowed
+        # the test's layer is built alone (no TransformerBlock, no layer number): said so, not "layer None"
+        assert "this MoE layer (built without a layer number)" in overflowed, overflowed
+        assert f"capacity of {capacity} rows" in overflowed
         assert "route(s) overflowed" in overflowed and "--moe-ext-capacity-factor (now 0.5" in overflowed
 
 
