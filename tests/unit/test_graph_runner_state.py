@@ -1,7 +1,9 @@
 """The graph runner's host-side state on CPU (cuda_graphs/runner.py): a refused slot leaves nothing
 taken, a failed capture (or one rank's failed warm-up) becomes an agreed reason (peers are told,
 leases come back) while a warm-up that fails at EP > 1 is raised (peers wait in its barriers),
-release_cuda_graphs takes Megatron's list of model chunks, and router replay blocks capture."""
+release_cuda_graphs takes Megatron's list of model chunks, router replay blocks capture, and replays
+(through stand-in graphs) hold slot, lease and arena slot from forward to backward and hand DDP's
+parameters the static gradient buffer without a copy."""
 
 from types import SimpleNamespace
 
@@ -171,3 +173,81 @@ def test_a_moved_main_grad_drops_the_graphs_at_the_next_call(monkeypatch):
     monkeypatch.setattr(runner_module, "ep_group_of", lambda layer: None)
     out, _ = runner(x)
     assert runner.slots is None and runner.main_grad_params == [] and torch.equal(out, x @ layer.weight)
+
+
+def _replayable(runner, layer, slots: int):
+    """Captured slots whose 'graphs' compute x @ weight and its gradients into static buffers, as
+    the CUDA graphs would (forward: output; backward: the input's and the weight's gradients)."""
+    runner.slots = []
+    for index in range(slots):
+        slot = SimpleNamespace(index=index, busy=False, lease=None, input=torch.zeros(2, 4), output=torch.zeros(2, 4),
+                               grad_output=torch.zeros(2, 4), grads=[torch.zeros(2, 4), torch.zeros(4, 4)])
+
+        def forward(s=slot):
+            s.output.copy_(s.input @ layer.weight.detach())
+
+        def backward(s=slot):
+            s.grads[0].copy_(s.grad_output @ layer.weight.detach().t())
+            s.grads[1].copy_(s.input.t() @ s.grad_output)
+        slot.forward_graph, slot.backward_graph = SimpleNamespace(replay=forward), SimpleNamespace(replay=backward)
+        runner.slots.append(slot)
+    runner._static_grad_storage = {slot.grads[1].untyped_storage().data_ptr() for slot in runner.slots}
+    return runner
+
+
+def test_replays_hold_their_slot_lease_and_arena_slot_from_forward_to_backward():
+    """1F1B on two slots: F0 F1 B0 F2 B1 B2. Each replay takes graph slot, lease and arena slot of
+    the same index; its backward gives all three back, so F2 reuses slot 0."""
+    from megatron_ext.moe.arena import ArenaLayer, RowArena
+
+    arena = RowArena(2, 1.5, 1.0, lease_slots=2)
+    arena.configure(16, 2)
+    arena.allocate(None, 2, 0, 8, torch.float32, "cpu")
+    pool, layer = _Pool(2), _Layer()
+    layer.token_dispatcher = SimpleNamespace(transport=SimpleNamespace(pool=pool), ep_size=1,
+                                             arena_layer=ArenaLayer(arena, 0))
+    runner = _replayable(GraphedMoELayer(layer, num_slots=2), layer, 2)
+    xs = [torch.randn(2, 4, requires_grad=True) for _ in range(3)]
+    grads = [torch.randn(2, 4) for _ in range(3)]
+    out0, bias = runner(xs[0])
+    out1, _ = runner(xs[1])
+    assert bias is None and torch.allclose(out0, xs[0] @ layer.weight) and torch.allclose(out1, xs[1] @ layer.weight)
+    assert [s.busy for s in runner.slots] == [True, True] and pool.busy == [True, True]
+    assert [s.busy for s in arena.slots] == [True, True] and arena.current is arena.slots[1]
+    out0.backward(grads[0])
+    assert [s.busy for s in runner.slots] == [False, True] and pool.busy == [False, True]
+    assert [s.busy for s in arena.slots] == [False, True] and runner.slots[0].lease is None
+    torch.testing.assert_close(xs[0].grad, grads[0] @ layer.weight.detach().t())
+    out2, _ = runner(xs[2])
+    assert runner.slots[0].busy and pool.busy == [True, True] and arena.current is arena.slots[0]
+    out1.backward(grads[1])
+    out2.backward(grads[2])
+    assert pool.busy == [False, False] and not any(s.busy for s in runner.slots + arena.slots)
+    expected = sum(x.detach().t() @ g for x, g in zip(xs, grads))
+    torch.testing.assert_close(layer.weight.grad, expected)
+    assert layer.weight.grad.untyped_storage().data_ptr() not in runner._static_grad_storage, \
+        "without DDP's hook nothing consumes param.grad: autograd must hold its own copy"
+
+
+def test_under_ddp_the_static_gradient_goes_as_an_alias_and_is_copied_out_before_the_next_replay():
+    """hand_over: a parameter with grad_added_to_main_grad (Megatron's DDP) gets the slot's static
+    buffer itself (no copy); the captured backward's flags are set after the replay; a param.grad
+    still aliasing the buffer at the next replay gets its own copy first (_unalias_param_grads)."""
+    layer = _Layer()
+    layer.weight.grad_added_to_main_grad, layer.weight.main_grad = False, torch.zeros(4, 4)
+    runner = _replayable(GraphedMoELayer(layer, num_slots=1), layer, 1)
+    runner.main_grad_params, runner._main_grad_addresses = [layer.weight], [layer.weight.main_grad.data_ptr()]
+    x, grad = torch.randn(2, 4), torch.randn(2, 4)
+    runner(x)[0].backward(grad)
+    static = runner.slots[0].grads[1]
+    assert layer.weight.grad.data_ptr() == static.data_ptr(), "DDP's parameters take the static buffer uncopied"
+    assert layer.weight.grad_added_to_main_grad is True, "a replay sets the flag the captured backward set"
+    kept = static.clone()
+    out, _ = runner(torch.randn(2, 4))  # no hook consumed the alias: it is copied out before the replay
+    assert layer.weight.grad.untyped_storage().data_ptr() not in runner._static_grad_storage
+    assert torch.equal(layer.weight.grad, kept)
+    own = layer.weight.grad
+    runner._unalias_param_grads()
+    assert layer.weight.grad is own, "a gradient of its own is left as it is"
+    out.backward(grad)
+    assert not torch.equal(layer.weight.grad, kept)
