@@ -251,3 +251,57 @@ def test_under_ddp_the_static_gradient_goes_as_an_alias_and_is_copied_out_before
     assert layer.weight.grad is own, "a gradient of its own is left as it is"
     out.backward(grad)
     assert not torch.equal(layer.weight.grad, kept)
+
+
+class _TorchTransport:
+    """Runs NCCL collectives in the layer (no gather_counts)."""
+    pool = None
+
+
+def _agreeing(monkeypatch, runner, peer_captured: int):
+    """EP = 2: this rank warms up and captures (stand-ins); the peer reports `peer_captured`."""
+    seen = []
+
+    def all_reduce(tensor, op, group):
+        peer = torch.tensor([peer_captured], dtype=tensor.dtype)
+        seen.append(op)
+        tensor.copy_(torch.minimum(tensor, peer) if op == torch.distributed.ReduceOp.MIN else
+                     torch.maximum(tensor, peer))
+    monkeypatch.setattr(runner, "_warm_up", lambda sample: None)
+    monkeypatch.setattr(runner, "_capture", lambda sample: _captured(runner, runner.num_slots))
+    monkeypatch.setattr(runner_module, "ep_group_of", lambda layer: "peers")
+    monkeypatch.setattr(runner_module.dist, "all_reduce", all_reduce)
+    return seen
+
+
+@pytest.mark.parametrize("peer_captured", [1, 0])
+def test_ranks_replay_only_if_every_rank_captured(monkeypatch, peer_captured):
+    layer = _Layer(_Pool(2))
+    layer.token_dispatcher.ep_size, layer.token_dispatcher.transport.gather_counts = 2, None  # symm-like
+    runner = GraphedMoELayer(layer, num_slots=2)
+    seen = _agreeing(monkeypatch, runner, peer_captured)
+    reason = runner._capture_agreed(torch.zeros(2, 4))
+    assert seen == [torch.distributed.ReduceOp.MIN]
+    if peer_captured:
+        assert reason is None and len(runner.slots) == 2
+    else:
+        assert reason == "capture failed on another rank of the expert-parallel group (all ranks run eagerly)"
+        assert runner.slots is None, "this rank's graphs are dropped when a peer could not capture"
+
+
+def test_a_transport_with_nccl_in_the_layer_is_not_captured_at_ep_above_one(monkeypatch):
+    layer = _Layer()
+    layer.token_dispatcher = SimpleNamespace(transport=_TorchTransport(), ep_size=2)
+    assert runner_module.transport_blocker(layer) == (
+        "the _TorchTransport runs NCCL collectives inside the layer; a CUDA graph holding them keeps "
+        "destroy_process_group from returning (pytorch/pytorch#115388): use --moe-ext-transport symm for graphs "
+        "at EP > 1")
+    runner = GraphedMoELayer(layer, num_slots=1)
+    seen = _agreeing(monkeypatch, runner, 1)
+    monkeypatch.setattr(runner, "_capture", lambda sample: pytest.fail("captured a transport that runs NCCL"))
+    assert runner._capture_agreed(torch.zeros(2, 4)).startswith("the _TorchTransport runs NCCL collectives")
+    assert seen == [torch.distributed.ReduceOp.MIN] and runner.slots is None, "the peers hear of it"
+    layer.token_dispatcher.transport.gather_counts = None  # the symm transport exchanges counts itself
+    assert runner_module.transport_blocker(layer) is None
+    layer.token_dispatcher = SimpleNamespace(transport=_TorchTransport(), ep_size=1)
+    assert runner_module.transport_blocker(layer) is None, "at EP = 1 the torch transport runs no collective"
