@@ -26,6 +26,8 @@ def test_replays_open_and_free_the_slot_of_their_graph_slot():
     assert arena.slots[1].busy  # only the first layer's backward frees the microbatch
     arena_slots.release(first, 1)
     assert not arena.slots[1].busy
+    with pytest.raises(RuntimeError, match="graph slot 1 of MoE layer 1 replays while another arena slot is current"):
+        arena_slots.acquire(later, 1)  # the microbatch's slot is current but free: layer 0 did not open one
     arena_slots.acquire(first, 1)
     with pytest.raises(RuntimeError, match="holds a live microbatch"):
         arena_slots.acquire(first, 1)
@@ -48,6 +50,8 @@ def test_a_later_layers_warm_up_and_capture_leave_the_live_microbatch_as_it_was(
     assert arena.current is arena.slots[0] and arena.slots[0].busy and not arena.slots[1].busy
     assert live.cursors[1].tolist() == [5, 7] and live.cursors[2].tolist() == [0, 0]
     assert live.starts.tolist() == [4, 0, 0]
+    with pytest.raises(RuntimeError, match="MoE layer 2 of the dropless arena ran where layer 1 was next"):
+        arena_slots.acquire(ArenaLayer(arena, 2), 0)  # the order check is back on after the capture
 
 
 def test_the_first_layer_captures_its_slots_in_order():

@@ -16,6 +16,8 @@ from megatron_ext.config import MoEExtConfig
     (4, 1, 2, None, 2),      # bounded by the microbatches of the step
     (4, 0, 8, 2, 8),         # interleaved: (4-0-1)*2 + (2-1)*4 = 10 warm-up, bounded by 8
     (2, 1, 8, 2, 3),         # interleaved last stage: 0 + 2 warm-up + 1
+    (4, 0, 8, 1, 4),         # one virtual stage is 1F1B (Megatron's arguments turn it into None): 3 + 1
+    (4, 1, 8, 1, 3),         # 1F1B second stage: 2 warm-up forwards + 1
 ])
 def test_live_microbatches(pp, rank, mbs, vpp, expected):
     assert live_microbatches(pp, rank, mbs, vpp) == expected
@@ -104,6 +106,7 @@ class _Router:
 
 @pytest.mark.parametrize("tp_cp,tp_dp_cp,coeff,kind,blocked", [
     (2, 2, 0.01, "aux_loss", True), (1, 4, 0.01, "aux_loss", False), (2, 2, 0.0, "aux_loss", False),
+    (2, 1, 0.01, "seq_aux_loss", True), (1, 4, 0.01, "seq_aux_loss", False),
     (1, 4, 0.01, "global_aux_loss", True), (1, 1, 0.01, "global_aux_loss", False)])
 def test_a_load_balancing_all_reduce_blocks_capture(tp_cp, tp_dp_cp, coeff, kind, blocked):
     layer = _EagerLayer(MoEExtConfig())
