@@ -305,3 +305,44 @@ def test_a_transport_with_nccl_in_the_layer_is_not_captured_at_ep_above_one(monk
     assert runner_module.transport_blocker(layer) is None
     layer.token_dispatcher = SimpleNamespace(transport=_TorchTransport(), ep_size=1)
     assert runner_module.transport_blocker(layer) is None, "at EP = 1 the torch transport runs no collective"
+
+
+def _graphed_layer_rank(rank, world):
+    from megatron_ext.specs import moe_builder
+    from megatron_ext.testing.megatron_moe import moe_config
+
+    layer = moe_builder(MoEExtConfig(transport="torch", cuda_graphs=True, lease_slots=3))(config=moe_config(
+        hidden=32, ffn=16, experts=4, topk=2, ep=1))
+    runner, x = layer._graph_runner, torch.randn(8, 1, 32)
+    seen = [runner.num_slots]
+    layer.eval()
+    layer(x)
+    seen.append(runner.eager_reason)  # evaluation runs eagerly without asking the runner
+    layer.train()
+    with torch.no_grad():
+        layer(x)
+    seen.append(runner.eager_reason)
+    layer(x.requires_grad_(True))[0].sum().backward()
+    seen.append(runner.eager_reason)  # a training forward goes to the runner: on CPU it falls back
+    return seen
+
+
+def test_the_layer_hands_training_forwards_to_a_runner_with_one_slot_per_lease():
+    from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+    (seen,) = run_on_ranks(_graphed_layer_rank, 1, sizes=ParallelSizes())
+    assert seen[:3] == [3, None, None], seen
+    assert seen[3] == "the input is on cpu, CUDA graphs need a GPU", seen
+
+
+def test_the_layer_keeps_forwards_with_megatrons_extra_arguments_eager():
+    from megatron_ext.moe.layer import RowwiseMoELayer
+
+    calls = []
+    layer = SimpleNamespace(config=SimpleNamespace(), training=True, _graph_runner=lambda h: calls.append("runner"),
+                            eager_forward=lambda h, i, p: calls.append(("eager", i, p)))
+    x = torch.randn(4, 1, 8, requires_grad=True)
+    RowwiseMoELayer.forward(layer, x)
+    RowwiseMoELayer.forward(layer, x, padding_mask="mask")
+    RowwiseMoELayer.forward(layer, x, intermediate_tensors="tensors")
+    assert calls == ["runner", ("eager", None, "mask"), ("eager", "tensors", None)]
