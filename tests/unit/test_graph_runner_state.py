@@ -85,6 +85,8 @@ def test_all_slots_busy_names_the_setting():
         runner._acquire(torch.zeros(2, 4))
     with pytest.raises(ValueError, match="or turn off --moe-ext-cuda-graphs"):
         runner._acquire(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"captured for input \(2, 4\) torch.float32, got \(2, 4\) torch.float64"):
+        runner._acquire(torch.zeros(2, 4, dtype=torch.float64))  # a copy into the static input would cast
 
 
 def _failing(monkeypatch, runner, pool, phase: str, ep_group):
@@ -142,6 +144,9 @@ def test_release_cuda_graphs_takes_a_module_or_megatrons_chunk_list():
     assert release_cuda_graphs(chunks) == 2 and all(c[0]._graph_runner.slots is None for c in chunks)
     _captured(chunks[0][0]._graph_runner, 1)
     assert release_cuda_graphs(chunks[0]) == 1 and release_cuda_graphs(chunks) == 0
+    bare = _Layer()  # a module that is no container
+    bare._graph_runner = _captured(GraphedMoELayer(bare, num_slots=1), 1)
+    assert release_cuda_graphs(bare) == 1 and bare._graph_runner.slots is None
     chunks[1][0]._graph_runner.slots = None
     _captured(chunks[1][0]._graph_runner, 1).slots[0].busy = True
     with pytest.raises(RuntimeError, match="run the backward of every forward first"):

@@ -85,6 +85,8 @@ def test_capture_blockers_name_the_reason():
     x = torch.randn(2, 4)
     assert any("GPU" in r for r in capture_blockers(_EagerLayer(MoEExtConfig()), x))
     assert any("rowwise" in r for r in capture_blockers(_EagerLayer(None), x))
+    assert any("rowwise" in r for r in capture_blockers(_EagerLayer(MoEExtConfig(dispatcher="megatron")), x))
+    assert not any("rowwise" in r for r in capture_blockers(_EagerLayer(MoEExtConfig()), x))
     assert any("debug_checks" in r for r in capture_blockers(_EagerLayer(MoEExtConfig(debug_checks=True)), x))
 
 
@@ -123,6 +125,8 @@ def test_runner_falls_back_to_eager_with_a_logged_reason(caplog):
         out, _ = runner(x)
     assert torch.equal(out, x @ layer.weight)
     assert "runs eagerly" in caplog.text and "GPU" in runner.eager_reason
+    out, _ = runner(x)  # the reason stands: no second attempt, no second warning
+    assert torch.equal(out, x @ layer.weight) and caplog.text.count("runs eagerly") == 1
 
 
 def test_slots_need_as_many_leases():
