@@ -69,6 +69,10 @@ def capture_blockers(layer, hidden: torch.Tensor) -> list[str]:
                        "the global aux loss) inside the "
                        "layer, and a graph holding NCCL work keeps destroy_process_group from returning "
                        "(pytorch/pytorch#115388)")
+    if _quantile_gather(getattr(layer, "router", None)):
+        reasons.append("Megatron's quantile-balancing routing (--moe-router-load-balancing-type quantile_balancing) "
+                       "all-gathers the router logits over TP x CP (NCCL) inside the layer, and a graph holding NCCL "
+                       "work keeps destroy_process_group from returning (pytorch/pytorch#115388)")
     return reasons
 
 
@@ -83,6 +87,13 @@ def _aux_loss_all_reduce(router) -> bool:
         return group is not None and group.size() > 1 and any(router.get_aux_loss_coeff(k) > 0 for k in kinds)
     return reduces(("aux_loss", "seq_aux_loss"), getattr(router, "tp_cp_group", None)) or \
         reduces(("global_aux_loss",), getattr(router, "tp_dp_cp_group", None))
+
+
+def _quantile_gather(router) -> bool:
+    """Megatron's quantile-balancing routing all-gathers the logits over TP x CP in its forward, when
+    that group has more than one rank (0.19.2, TopKRouter.quantile_balancing)."""
+    group = getattr(router, "tp_cp_group", None)
+    return getattr(router, "routing_type", None) == "quantile_balancing" and group is not None and group.size() > 1
 
 
 def transport_blocker(layer) -> str | None:

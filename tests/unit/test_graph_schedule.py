@@ -132,3 +132,27 @@ def test_runner_falls_back_to_eager_with_a_logged_reason(caplog):
 def test_slots_need_as_many_leases():
     with pytest.raises(ValueError, match="lease-slots >= 2"):
         GraphedMoELayer(_EagerLayer(MoEExtConfig(lease_slots=1)), num_slots=2)
+
+
+@pytest.mark.parametrize("tp_cp,blocked", [(2, True), (1, False)])
+def test_quantile_balancings_logit_gather_blocks_capture(tp_cp, blocked):
+    """Megatron's quantile-balancing routing all-gathers the router logits over TP x CP in its forward
+    (megatron-core 0.19.2, TopKRouter.quantile_balancing): NCCL inside the layer, with no aux loss."""
+    layer = _EagerLayer(MoEExtConfig())
+    layer.router = _Router(tp_cp, tp_cp, 0.0)
+    layer.router.routing_type = "quantile_balancing"
+    reasons = [r for r in capture_blockers(layer, torch.randn(2, 4)) if "GPU" not in r]
+    assert reasons == ([
+        "Megatron's quantile-balancing routing (--moe-router-load-balancing-type quantile_balancing) all-gathers "
+        "the router logits over TP x CP (NCCL) inside the layer, and a graph holding NCCL work keeps "
+        "destroy_process_group from returning (pytorch/pytorch#115388)"] if blocked else []), reasons
+
+
+def test_megatrons_quantile_balancing_still_gathers_over_tp_cp():
+    """If this fails, revisit runner._quantile_gather (megatron-core moved or dropped the gather)."""
+    import inspect
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    source = inspect.getsource(TopKRouter.quantile_balancing)
+    assert "gather_group = self.tp_cp_group" in source and "all_gather_into_tensor" in source
