@@ -351,3 +351,16 @@ def test_the_layer_keeps_forwards_with_megatrons_extra_arguments_eager():
     RowwiseMoELayer.forward(layer, x, padding_mask="mask")
     RowwiseMoELayer.forward(layer, x, intermediate_tensors="tensors")
     assert calls == ["runner", ("eager", None, "mask"), ("eager", "tensors", None)]
+
+
+def test_a_moved_main_grad_with_one_of_two_slots_live_names_the_move():
+    layer = _Layer()
+    layer.weight.main_grad = torch.zeros(4, 4)
+    runner = _captured(GraphedMoELayer(layer, num_slots=2), 2)
+    runner.main_grad_params, runner._main_grad_addresses = [layer.weight], [layer.weight.main_grad.data_ptr()]
+    runner.slots[1].busy = True  # 1F1B: one microbatch is between its forward and its backward
+    layer.weight.main_grad = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="main_grad of parameters .* moved since capture .* while microbatches are "
+                                           "live in the graphs; re-create the buffers between iterations"):
+        runner(torch.zeros(2, 4))
+    assert runner.slots is not None

@@ -11,6 +11,7 @@ from megatron_ext.config import MoEExtConfig
 
 @pytest.mark.parametrize("pp,rank,mbs,vpp,expected", [
     (1, 0, 8, None, 1),      # no pipeline
+    (1, 0, 8, 2, 1),         # no pipeline whatever the virtual stages: Megatron runs no pipelining at pp 1
     (4, 0, 8, None, 4),      # 1F1B first stage: 3 warm-up forwards + 1
     (4, 3, 8, None, 1),      # last stage: forward then backward
     (4, 1, 2, None, 2),      # bounded by the microbatches of the step
