@@ -22,7 +22,8 @@ def kept_mask(layer):
     return layer.token_dispatcher.kept_route_mask()
 
 
-def _rowwise_rank(rank, world, case, ext):
+def _compared_layer(rank, case, ext):
+    """The rowwise layer after run_and_compare checked it against the oracle on its kept routes."""
     layers = []
 
     def build(config):
@@ -30,7 +31,15 @@ def _rowwise_rank(rank, world, case, ext):
         return layers[0]
 
     run_and_compare(rank, case, build, keep_of=kept_mask)
-    return int((layers[0].token_dispatcher.route_map.dest_row < 0).sum())  # this rank's dropped routes
+    return layers[0]
+
+
+def _dropped_routes(layer) -> int:
+    return int((layer.token_dispatcher.route_map.dest_row < 0).sum())  # this rank's, in the last forward
+
+
+def _rowwise_rank(rank, world, case, ext):
+    return _dropped_routes(_compared_layer(rank, case, ext))
 
 
 LAYOUTS = [(1, 1), (2, 2), (2, 1), (4, 4), (4, 2)]
@@ -51,14 +60,8 @@ def test_rowwise_with_drops_matches_oracle_on_kept_routes(world, ep):
 
 def _odd_group_rank(rank, world, case, ext):
     """_rowwise_rank, and the routes the layer's metrics count as dropped since the last read."""
-    layers = []
-
-    def build(config):
-        layers.append(build_rowwise(config, **ext))
-        return layers[0]
-
-    run_and_compare(rank, case, build, keep_of=kept_mask)
-    return int((layers[0].token_dispatcher.route_map.dest_row < 0).sum()), layers[0].read_metrics()["dropped_routes"]
+    layer = _compared_layer(rank, case, ext)
+    return _dropped_routes(layer), layer.read_metrics()["dropped_routes"]
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
