@@ -291,11 +291,12 @@ def _ext_flag_conflicts(args) -> list[str]:
     MoEExtConfig's checks, reported with flag names by ext_config_from_args)."""
     hidden = getattr(args, "hidden_size", None)
     problems = []
-    if getattr(args, "moe_ext_mxfp8_dispatch") and hidden is not None and hidden % 32:
-        problems.append(f"--moe-ext-mxfp8-dispatch needs --hidden-size divisible by 32 (one E8M0 scale per 32 "
-                        f"values), got --hidden-size {hidden}")
-    if getattr(args, "moe_ext_mxfp8_dispatch") and getattr(args, "fp16", False):
-        problems.append(MXFP8_FP16)
+    if args.moe_ext_mxfp8_dispatch:
+        if hidden is not None and hidden % 32:
+            problems.append(f"--moe-ext-mxfp8-dispatch needs --hidden-size divisible by 32 (one E8M0 scale per 32 "
+                            f"values), got --hidden-size {hidden}")
+        if getattr(args, "fp16", False):
+            problems.append(MXFP8_FP16)
     return problems or replica_check_conflicts(args)
 
 

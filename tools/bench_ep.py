@@ -93,6 +93,7 @@ from megatron_ext.bench.ep_phase_timing import Clock, time_layer, time_phases
 from megatron_ext.bench.ep_report import (TARGET_SHORTER, dispatch_combine_ratios, layer_ratios, mxfp8_vs_bf16,
                                           print_table, same_routes, summarize)
 from megatron_ext.bench.flops import moe_model_flops
+from megatron_ext.bench.layer_shape import check_topk
 from megatron_ext.bench.measurement import held_for_backward, make_step, peak_memory
 from megatron_ext.bench.results import add_results_dir_arg
 
@@ -230,9 +231,7 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
     shape = asdict(TINY_SHAPE if args.tiny else EP8_SHAPE)
-    topk, experts = args.topk or shape["topk"], args.experts or shape["experts"]
-    if topk > experts:
-        parser.error(f"--topk {topk} is more than --experts {experts}: a token routes to distinct experts")
+    check_topk(parser, args.topk or shape["topk"], args.experts or shape["experts"])
     return args
 
 

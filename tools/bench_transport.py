@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.ep_phase_timing import Clock
+from megatron_ext.bench.layer_shape import check_topk
 from megatron_ext.bench.results import add_results_dir_arg
 
 NVLINK_GBPS_PER_DIRECTION = 450.0
@@ -378,9 +379,7 @@ def parse_args(argv=None):
     add_results_dir_arg(parser)
     args = parser.parse_args(argv)
     base = TINY if args.tiny else FULL
-    topk, experts = args.topk or base.topk, args.experts or base.experts
-    if topk > experts:
-        parser.error(f"--topk {topk} is more than --experts {experts}: a token routes to distinct experts")
+    check_topk(parser, args.topk or base.topk, args.experts or base.experts)
     return args
 
 

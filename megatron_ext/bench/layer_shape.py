@@ -21,5 +21,10 @@ def add_layer_shape_args(parser: argparse.ArgumentParser, **defaults) -> argpars
 
 
 def check_layer_shape(parser: argparse.ArgumentParser, args) -> None:
-    if args.topk > args.experts:
-        parser.error(f"--topk {args.topk} is more than --experts {args.experts}: a token routes to distinct experts")
+    check_topk(parser, args.topk, args.experts)
+
+
+def check_topk(parser: argparse.ArgumentParser, topk: int, experts: int) -> None:
+    """A usage error (exit 2) before anything runs: a token routes to top-k distinct experts."""
+    if topk > experts:
+        parser.error(f"--topk {topk} is more than --experts {experts}: a token routes to distinct experts")
