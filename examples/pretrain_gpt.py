@@ -46,7 +46,7 @@ def parse_arguments(argv: list[str] | None = None):
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_ext.arguments import MoEExtArgumentError, add_moe_ext_args
-    from megatron_ext.launch import escape_stray_percent, prepare_parsed_args
+    from megatron_ext.launch import escape_stray_percent, prepare_parsed_args, usage_error
 
     sys.argv = [sys.argv[0], *default_to_mock_data(sys.argv[1:] if argv is None else argv)]
     args = parse_and_validate_args(extra_args_provider=lambda parser: escape_stray_percent(add_moe_ext_args(parser)),
@@ -54,11 +54,11 @@ def parse_arguments(argv: list[str] | None = None):
     try:  # first: megatron_ext refuses some of UNSUPPORTED itself (--mtp-num-layers with --num-experts)
         prepare_parsed_args(args)  # idempotent when the launcher already did it
     except MoEExtArgumentError as error:  # one message, as the launcher prints it
-        raise SystemExit(f"megatron_ext: error: {error}") from None
+        usage_error(f"megatron_ext: error: {error}")
     for field, flag in UNSUPPORTED.items():
         if getattr(args, field, None):
-            raise SystemExit(f"examples/pretrain_gpt.py does not handle {flag}; run Megatron-LM's pretrain_gpt.py "
-                             f"through python -m megatron_ext.launch for it")
+            usage_error(f"examples/pretrain_gpt.py does not handle {flag}; run Megatron-LM's pretrain_gpt.py "
+                        f"through python -m megatron_ext.launch for it")
     return args
 
 

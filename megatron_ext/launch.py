@@ -328,24 +328,24 @@ def use_prebuilt_dataset_helpers() -> None:
 def run_script(script: str, script_args: list[str]) -> None:
     """Run `script` as __main__ with sys.argv = [script, *script_args] (hook installed first)."""
     if not os.path.isfile(script):
-        _usage_error(f"megatron_ext.launch: no such script: {script}\n\n{USAGE}")
+        usage_error(f"megatron_ext.launch: no such script: {script}\n\n{USAGE}")
     install()
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
     except MoEExtArgumentError as error:
-        _usage_error(f"megatron_ext: error: {error}")
+        usage_error(f"megatron_ext: error: {error}")
     except AssertionError as error:  # Megatron's initialize asserts a GPU with this text (0.19.2)
         import torch
 
         if torch.cuda.is_available() or str(error) != "Megatron requires CUDA.":
             raise
-        _usage_error(f"megatron_ext: error: megatron.training needs a GPU ({error}); this machine has none. On CPU, "
+        usage_error(f"megatron_ext: error: megatron.training needs a GPU ({error}); this machine has none. On CPU, "
                      f"train the tiny MoE model of examples/train_tiny_moe_cpu.py instead")
 
 
-def _usage_error(message: str) -> None:
+def usage_error(message: str) -> None:
     """A user error: one message on stderr, exit code 2 (as argparse's own errors), no traceback."""
     print(message, file=sys.stderr)
     raise SystemExit(2)

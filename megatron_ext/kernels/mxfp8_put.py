@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.kernels.row_checks import check_common, check_runnable, require, row_bound
+from megatron_ext.kernels.row_checks import check_common, check_return_table, check_runnable, require, row_bound
 from megatron_ext.formats.mxfp8 import check_input_rows, packed_row_bytes
 
 try:
@@ -94,6 +94,7 @@ def put_rows_mxfp8(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.T
         n_blocks = check_input_rows(src)
     except (TypeError, ValueError) as err:
         raise type(err)(f"{op}: {err}") from None
+    check_return_table(op, return_table, peer_table)
     check_runnable(op, src)
     if T == 0 or K == 0:
         return

@@ -197,6 +197,15 @@ def _check_device(t: torch.Tensor) -> None:
         )
 
 
+def _check_same_device(op: str, named: dict[str, torch.Tensor]) -> None:
+    """One kernel reads and writes all of them: a tensor on another device would be read as garbage
+    (or fault), so refuse it here with the devices named."""
+    devices = {name: t.device for name, t in named.items()}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"{op}: the tensors must share one device, got {listed}; move them with .to(device)")
+
+
 def _check_inner_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
@@ -223,7 +232,6 @@ def quantize_rows_triton(x: torch.Tensor, out: MXFP8Rows | None = None) -> MXFP8
     ``out`` may hold preallocated (possibly strided, e.g. ``unpack_rows`` views) destinations.
     """
     check_input_rows(x)
-    _check_device(x)
     _check_inner_contiguous("x", x)
     n, hidden = x.shape
     if out is None:
@@ -233,6 +241,8 @@ def quantize_rows_triton(x: torch.Tensor, out: MXFP8Rows | None = None) -> MXFP8
         )
     elif check_quantized_rows(out) != hidden // MXFP8_BLOCK or out.values.shape[0] != n:
         raise ValueError(f"out has shape {tuple(out.values.shape)}, expected {(n, hidden)}")
+    _check_same_device("quantize_rows_triton", {"x": x, "out.values": out.values, "out.scales": out.scales})
+    _check_device(x)
     _check_inner_contiguous("out.values", out.values)
     _check_inner_contiguous("out.scales", out.scales)
     _launch_quantize(x, out.values.view(torch.uint8), out.scales.view(torch.uint8))
@@ -258,6 +268,7 @@ def dequantize_rows_triton(q: MXFP8Rows, dtype: torch.dtype = torch.bfloat16) ->
     """[N, H] ``dtype`` rows (bf16 or fp32) from MXFP8; equals ``mxfp8.dequantize_rows(q, dtype)``."""
     n_blocks = check_quantized_rows(q)
     _check_output_dtype(dtype)
+    _check_same_device("dequantize_rows_triton", {"values": q.values, "scales": q.scales})
     _check_device(q.values)
     _check_inner_contiguous("values", q.values)
     _check_inner_contiguous("scales", q.scales)

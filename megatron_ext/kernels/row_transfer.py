@@ -32,8 +32,8 @@ import functools
 
 import torch
 
-from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_runnable, layout,
-                                             require, row_bound)
+from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_return_table,
+                                             check_runnable, layout, require, row_bound)
 
 try:
     import triton
@@ -266,13 +266,10 @@ def put_rows(src: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
                            ("route_values", route_values), value_table)
     require(src.dtype in BUFFER_DTYPES, f"put_rows: src dtype {src.dtype} not supported; use one of "
             f"{BUFFER_DTYPES}", TypeError)
+    check_return_table("put_rows", return_table, peer_table)
     check_runnable("put_rows", src)
     if T == 0 or K == 0 or H == 0:
         return
-    if return_table is not None:
-        require(return_table.shape == peer_table.shape and return_table.dtype == torch.int64,
-                f"put_rows: return_table must be an int64 [{peer_table.numel()}] table like peer_table, got "
-                f"{return_table.dtype} {tuple(return_table.shape)}")
     block_h, num_warps = _config(H, src.dtype, block_h, num_warps)
     has_values = route_values is not None
     _put_rows_kernel[(T,)](src, dest_rank, dest_row, peer_table, src if row_scale is None else row_scale,

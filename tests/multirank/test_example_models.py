@@ -2,6 +2,8 @@
 megatron.training's GPTModelBuilder calling our --spec hook), mock datasets and loss function;
 examples/custom_model.py's swapped custom spec, forward and backward."""
 
+import contextlib
+import io
 import os
 import runpy
 
@@ -66,22 +68,32 @@ def test_pretrain_gpt_entry_keeps_megatrons_layer_under_megatrons_spec():
 
 
 def _pretrain_gpt_refusal(rank, world, extra_argv):
+    """(exit code, stderr) of parse_arguments on a refused combination; None if it was accepted."""
     example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "pretrain_gpt.py"), run_name="example")
+    stderr = io.StringIO()
     try:
-        example["parse_arguments"]([*TINY_ARGV, *extra_argv])
+        with contextlib.redirect_stderr(stderr):
+            example["parse_arguments"]([*TINY_ARGV, *extra_argv])
     except SystemExit as stop:
-        return str(stop.code)
+        return stop.code, stderr.getvalue()
     return None
 
 
 def test_pretrain_gpt_entry_refuses_in_one_message():
     """Run directly (torchrun examples/pretrain_gpt.py), a refused combination is one message, not a
-    traceback, and MTP with experts is not sent to the launcher, which refuses it too."""
-    mtp = run_on_ranks(_pretrain_gpt_refusal, 1, ["--mtp-num-layers", "1"], sizes=ParallelSizes(), timeout=180)[0]
-    assert mtp.startswith("megatron_ext: error:") and "not from --spec" in mtp and "launch" not in mtp, mtp
-    capacity = run_on_ranks(_pretrain_gpt_refusal, 1, ["--moe-expert-capacity-factor", "1.0"], sizes=ParallelSizes(),
-                            timeout=180)[0]
-    assert capacity.startswith("megatron_ext: error:") and "--moe-expert-capacity-factor 1.0" in capacity, capacity
+    traceback, with the launcher's exit code (2, as argparse's), and MTP with experts is not sent
+    to the launcher, which refuses it too."""
+    code, mtp = run_on_ranks(_pretrain_gpt_refusal, 1, ["--mtp-num-layers", "1"], sizes=ParallelSizes(),
+                             timeout=180)[0]
+    assert code == 2 and mtp.startswith("megatron_ext: error:") and "not from --spec" in mtp, mtp
+    assert "launch" not in mtp and "Traceback" not in mtp, mtp
+    code, capacity = run_on_ranks(_pretrain_gpt_refusal, 1, ["--moe-expert-capacity-factor", "1.0"],
+                                  sizes=ParallelSizes(), timeout=180)[0]
+    assert code == 2 and capacity.startswith("megatron_ext: error:"), capacity
+    assert "--moe-expert-capacity-factor 1.0" in capacity, capacity
+    flag = "--dataloader-inter-document-masking"  # refused by the example itself, after Megatron's checks
+    code, unhandled = run_on_ranks(_pretrain_gpt_refusal, 1, [flag], sizes=ParallelSizes(), timeout=180)[0]
+    assert code == 2 and unhandled.startswith(f"examples/pretrain_gpt.py does not handle {flag}"), unhandled
 
 
 def test_custom_model_example_swaps_only_the_moe_layer(capsys):

@@ -181,6 +181,20 @@ def test_kernels_module_imports_without_gpu():
             mxfp8_quant.quantize_rows_triton(torch.zeros(2, 64))
 
 
+def test_triton_kernels_refuse_tensors_on_two_devices():
+    """A destination on another device than the rows is named, before any launch (the kernel would
+    read and write one device's addresses)."""
+    from megatron_ext.kernels import mxfp8_quant
+
+    x = torch.zeros(2, 64)
+    elsewhere = mxfp8.MXFP8Rows(values=torch.empty(2, 64, dtype=mxfp8.VALUE_DTYPE, device="meta"),
+                                scales=torch.empty(2, 2, dtype=mxfp8.SCALE_DTYPE))
+    with pytest.raises(ValueError, match="x on cpu, out.values on meta, out.scales on cpu"):
+        mxfp8_quant.quantize_rows_triton(x, out=elsewhere)
+    with pytest.raises(ValueError, match="values on meta, scales on cpu"):
+        mxfp8_quant.dequantize_rows_triton(elsewhere)
+
+
 def test_triton_kernels_bit_exact_under_interpreter():
     assert "all interpreter checks passed" in run_under_interpreter("_mxfp8_interp.py")
 

@@ -82,6 +82,20 @@ def _routes(T=3, K=2):
     return torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("put", ["put_rows", "put_rows_mxfp8"])
+@pytest.mark.parametrize("bad", ["int32", "shape", "device"])
+def test_both_puts_refuse_a_bad_return_table(put, bad):
+    """The return table (put_rows_back's route ids) is checked like peer_table by both PUT kernels."""
+    from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
+
+    src, dest_rank, dest_row, table = put_arguments("ok", hidden=64)
+    returns = {"int32": torch.zeros(2, dtype=torch.int32), "shape": torch.zeros(3, dtype=torch.int64),
+               "device": torch.zeros(2, dtype=torch.int64, device="meta")}[bad]
+    launch = put_rows if put == "put_rows" else put_rows_mxfp8
+    with pytest.raises(ValueError, match=f"{put}: return_table must be an int64 \\[2\\] table like peer_table"):
+        launch(src, dest_rank, dest_row, table, return_table=returns)
+
+
 @pytest.mark.parametrize("case, error, match", COMMON_PUT_ERRORS + [
     ("scale_shape", ValueError, "row_scale must be"),
     ("scale_dtype", TypeError, "row_scale must be float32"),
