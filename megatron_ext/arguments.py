@@ -104,8 +104,10 @@ FLAGS: tuple[ExtFlag, ...] = (
             help="Capture the whole MoE layer (forward and backward) in CUDA graphs; needs "
                  "--moe-ext-dispatcher rowwise."),
     ExtFlag("ddp_buckets", "--moe-ext-ddp-buckets", "on",
-            help="Reserved for megatron_ext's multi-group DDP buckets, not yet wired into megatron.training: "
-                 "refused; wrap the DDP with megatron_ext.ddp.megatron_hook.install_folding_ddp instead."),
+            help="Before the first step, check that Megatron's DDP reduces dense buckets over DP x CP and expert "
+                 "buckets over the expert-data-parallel group, and launch every bucket group (dense and expert) in "
+                 "one order on all ranks (megatron_ext.ddp.megatron_hook.install_folding_ddp). Any model; needs "
+                 "Megatron's DDP (not FSDP) and one distributed-optimizer instance."),
     ExtFlag("metrics_interval", "--moe-ext-metrics-interval", "value", type=int, metavar="N",
             help="Print rank 0's routing metrics (dropped routes, capacity fill) every N iterations, after "
                  "Megatron's train_step, under any training script; reading synchronizes, "
@@ -297,7 +299,30 @@ def _ext_flag_conflicts(args) -> list[str]:
                             f"values), got --hidden-size {hidden}")
         if getattr(args, "fp16", False):
             problems.append(MXFP8_FP16)
-    return problems or replica_check_conflicts(args)
+    return problems + training_loop_conflicts(args)
+
+
+def training_loop_conflicts(args) -> list[str]:
+    """What the training hooks (training_hooks.py) cannot do with Megatron's settings; they run on
+    any model, whatever builds its MoE layers."""
+    return replica_check_conflicts(args) + ddp_bucket_conflicts(args)
+
+
+def ddp_bucket_conflicts(args) -> list[str]:
+    """--moe-ext-ddp-buckets reorders and checks the buckets of Megatron's DistributedDataParallel;
+    FSDP wrappers have none, and a partial distributed optimizer needs groups it does not build."""
+    if not getattr(args, "moe_ext_ddp_buckets", False):
+        return []
+    fsdp = (("--use-megatron-fsdp", "use_megatron_fsdp"), ("--use-torch-fsdp2", "use_torch_fsdp2"))
+    problems = [f"--moe-ext-ddp-buckets with {flag}: the model is then wrapped in FSDP, not Megatron's "
+                f"DistributedDataParallel whose buckets it orders; drop one of the two"
+                for flag, field in fsdp if getattr(args, field, False)]
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if instances != 1:
+        problems.append(f"--moe-ext-ddp-buckets with --num-distributed-optimizer-instances {instances}: a partial "
+                        f"distributed optimizer needs intra- and inter-instance groups the folding DDP does not "
+                        f"build; use 1 instance or drop --moe-ext-ddp-buckets")
+    return problems
 
 
 def replica_check_conflicts(args) -> list[str]:

@@ -57,7 +57,10 @@ class MoEExtConfig:
         largest of the EP group's (one all-reduce at each layer's first forward).
     mxfp8_dispatch: carry dispatched rows as MXFP8 (E4M3 + E8M0 per 32 values).
     cuda_graphs: capture the whole MoE layer (forward and backward) in CUDA graphs.
-    ddp_buckets: use megatron_ext's multi-group gradient buckets.
+    ddp_buckets: Megatron's DDP with its reduction groups checked against the mesh and every bucket
+        group launched in one order on all ranks (megatron_ext.ddp.megatron_hook.install_folding_ddp),
+        applied by megatron_ext's training hook under megatron.training; not a layer setting
+        (the layer builder refuses it: in your own loop, wrap the DDP yourself).
     metrics_interval: read routing metrics on the host every N steps (0: never).
     replica_check_interval: every N steps compare parameter checksums across each replica group
         (dense over DP x CP, experts over EP_DP) and name the first parameter that disagrees

@@ -26,6 +26,8 @@ moved, and runs on every launch and in the unit tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import functools
 import inspect
@@ -35,19 +37,10 @@ import runpy
 import sys
 
 from megatron_ext.arguments import (FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
-                                    replica_check_conflicts, validate_against_megatron)
+                                    training_loop_conflicts, validate_against_megatron)
 from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
 EXT_SPEC = ["megatron_ext.specs", "gpt_block_spec"]
-
-# MoEExtConfig fields that nothing in megatron.training's loop consumes yet: refused under the
-# launcher so a flag never silently does nothing (wired by their own issues).
-NOT_WIRED_INTO_MEGATRON_TRAINING = {
-    "ddp_buckets": "--moe-ext-ddp-buckets is not wired into megatron.training's model wrapping yet "
-                   "(megatron.training 0.19.2 builds Megatron's DistributedDataParallel in "
-                   "megatron.training.models.dist_utils; megatron_ext.ddp.megatron_hook provides the "
-                   "replacement); drop the flag",
-}
 
 USAGE = """usage: python -m megatron_ext.launch SCRIPT.py [script arguments ...]
 
@@ -156,24 +149,20 @@ def prepare_parsed_args(args) -> None:
     kept_megatrons = _megatrons_moe_layers(args)
     if kept_megatrons is not None:  # a MoE model whose MoE layers megatron_ext does not build
         ext_config = ext_config_from_args(args)
-        problems = replica_check_conflicts(args)  # the replica check still runs on such a model
+        problems = training_loop_conflicts(args)  # the training hooks still run on such a model
         if problems:
             raise MoEExtArgumentError("megatron_ext cannot run with these flags:\n  - " + "\n  - ".join(problems))
-        specs.set_default_ext_config(ext_config)
+        specs.set_default_ext_config(_layer_settings(ext_config))
         training_hooks.install(ext_config)
         _print_rank_0(f"megatron_ext: {kept_megatrons}; the MoE layers stay Megatron's"
                       f"{_unused_moe_settings(ext_config)}")
         return
     validate_against_megatron(args)
     ext_config = ext_config_from_args(args)
-    if getattr(args, "num_experts", None) is not None:
-        for field, why in NOT_WIRED_INTO_MEGATRON_TRAINING.items():
-            if getattr(ext_config, field):
-                raise MoEExtArgumentError(why)
     if getattr(args, "num_experts", None) is None:
         _refuse_moe_settings_without_experts(ext_config)
-    specs.set_default_ext_config(ext_config)
-    training_hooks.install(ext_config)  # metrics and replica checks after every train_step, any script
+    specs.set_default_ext_config(_layer_settings(ext_config))
+    training_hooks.install(ext_config)  # DDP buckets, metrics and replica checks around every train_step
     if getattr(args, "num_experts", None) is None:
         return  # dense model: nothing of ours to install
     if args.spec is None:
@@ -202,8 +191,15 @@ def _drop_notice(ext_config, ep: int) -> str | None:
             f"(bounded) or --moe-ext-dropless (worst-case buffers)")
 
 
-# What a model without MoE layers still uses: the replica check compares every parameter.
-DENSE_FIELDS = ("replica_check_interval",)
+# What a model without MoE layers still uses: the replica check compares every parameter, and
+# the DDP buckets apply to Megatron's DDP whatever its layers.
+DENSE_FIELDS = ("replica_check_interval", "ddp_buckets")
+
+
+def _layer_settings(ext_config):
+    """The config the MoE layers are built from: ddp_buckets is applied to the model's DDP by the
+    training hook (training_hooks.install_ddp_buckets), not by a layer, which refuses it."""
+    return dataclasses.replace(ext_config, ddp_buckets=False)
 
 
 def _megatrons_moe_layers(args) -> str | None:

@@ -57,7 +57,8 @@ def moe_builder(ext_config: MoEExtConfig | None = None, base: MoESubmodules | No
     unless that is Megatron's TopKRouter and `fused_router` is on)."""
     ext_config = ext_config or default_ext_config()
     if ext_config.ddp_buckets:  # a model-wrapping setting: no layer can honour it, so never drop it silently
-        raise ValueError("ddp_buckets=True is not applied by the MoE layers: wrap your DistributedDataParallel with "
+        raise ValueError("ddp_buckets=True is not applied by the MoE layers (under megatron.training, "
+                         "--moe-ext-ddp-buckets applies it to the model's DDP): wrap your DistributedDataParallel with "
                          "megatron_ext.ddp.megatron_hook.install_folding_ddp(ddp, groups) (or build "
                          "FoldingDistributedDataParallel) and leave ddp_buckets False")
     if base is None:  # Megatron's local MoE parts (router, shared-expert MLP)

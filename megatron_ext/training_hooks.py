@@ -112,6 +112,31 @@ def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: 
             maybe_check_replicas(iteration, config.replica_check_interval, chunk, groups_from_parallel_state())
 
 
+def install_ddp_buckets(model) -> None:
+    """--moe-ext-ddp-buckets: `install_folding_ddp` (megatron_ext.ddp.megatron_hook) on every
+    model chunk, once, before its first gradient sync. Each chunk's reduction groups are checked
+    against Megatron's parallel_state (DP x CP for dense buckets, EP_DP for expert ones), and every
+    bucket group, dense and expert, launches in one order shared by all ranks. Rank 0 prints what
+    was found once. A chunk that is not Megatron's DistributedDataParallel (an FSDP wrapper) is
+    refused: the launcher refuses those flags at start-up, this covers other scripts."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_ext.ddp.megatron_hook import install_folding_ddp
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for index, chunk in enumerate(chunks):
+        if getattr(chunk, "grad_launcher", None) is not None:
+            continue  # installed at an earlier step
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(f"--moe-ext-ddp-buckets applies to Megatron's DistributedDataParallel, but model chunk "
+                            f"{index} is a {type(chunk).__name__}: drop --moe-ext-ddp-buckets, or train with "
+                            f"Megatron's DDP (no --use-megatron-fsdp / --use-torch-fsdp2)")
+        report = install_folding_ddp(chunk)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"megatron_ext: DDP buckets of model chunk {index} in one launch order; " + "; ".join(report),
+                  flush=True)
+
+
 def check_hook_point() -> None:
     """Raise MegatronInternalsChanged if `train()` no longer calls `train_step(..., model, ...)` by name."""
     from megatron.training import training
@@ -155,8 +180,8 @@ def install(config: MoEExtConfig) -> bool:
     if getattr(current, "_megatron_ext_config", None) is not None:
         current._megatron_ext_config[0] = config
         return True
-    if config.dispatcher != "rowwise" and not config.replica_check_interval:
-        return False  # Megatron's MoE layers: nothing of ours to check or report
+    if config.dispatcher != "rowwise" and not (config.replica_check_interval or config.ddp_buckets):
+        return False  # Megatron's MoE layers: nothing of ours to check, report or wrap
     check_hook_point()
     signature = inspect.signature(current)
     holder = [config]
@@ -164,6 +189,8 @@ def install(config: MoEExtConfig) -> bool:
     @functools.wraps(current)
     def train_step(*args, **kwargs):
         bound = signature.bind(*args, **kwargs).arguments
+        if holder[0].ddp_buckets:  # before the first gradient sync; idempotent afterwards
+            install_ddp_buckets(bound["model"])
         if holder[0].dropless_arena:  # before the first forward; idempotent afterwards
             from megatron_ext.moe.arena import attach_arenas
 

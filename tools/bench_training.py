@@ -20,6 +20,8 @@ differ. Variants (flags appended to the case's):
   rowwise_bounded   bounded dropless: the case's capacity factor as the bound, an overflow stops the
                     run with CapacityExceeded at a logging step (--moe-ext-on-overflow error)
   rowwise_pinned    rowwise with its host threads kept on one CPU core (--moe-ext-pin-host-threads)
+  rowwise_ddp_buckets  rowwise with Megatron's DDP bucket groups launched in one fixed order
+                    (--moe-ext-ddp-buckets)
   rowwise_wgrad_add rowwise with the experts' weight gradients added to main_grad by DDP, not in
                     their GEMM (--moe-ext-no-expert-wgrad-fusion)
   rowwise_graphs    the rowwise layer captured in CUDA graphs (--moe-ext-cuda-graphs)
@@ -57,6 +59,7 @@ VARIANTS = {
     "rowwise_dropless": ["--moe-ext-dropless"],
     "rowwise_bounded": ["--moe-ext-on-overflow", "error"],
     "rowwise_pinned": ["--moe-ext-pin-host-threads"],
+    "rowwise_ddp_buckets": ["--moe-ext-ddp-buckets"],
     "rowwise_wgrad_add": ["--moe-ext-no-expert-wgrad-fusion"],
     "rowwise_graphs": ["--moe-ext-cuda-graphs"],
     "rowwise_layer_graphs": ["--cuda-graph-impl", "local"],

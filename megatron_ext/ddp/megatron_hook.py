@@ -21,8 +21,9 @@ is the same as a subclass. Megatron 0.19.2's training loop wraps models in two p
 `get_model` (a `model_provider_func`) reads the module global `megatron.training.training.DDP`,
 which a script may set to `FoldingDistributedDataParallel` before `setup_model_and_optimizer`;
 the model-config builder path that `pretrain_gpt.py` and megatron_ext.launch take
-(`megatron.training.models.dist_utils._ddp_wrap`) picks `DistributedDataParallel` itself, which
-is why the launcher refuses `--moe-ext-ddp-buckets` (not wired there yet).
+(`megatron.training.models.dist_utils._ddp_wrap`) picks `DistributedDataParallel` itself, so
+`--moe-ext-ddp-buckets` applies `install_folding_ddp` to the constructed chunks instead, before
+the first train_step (megatron_ext.training_hooks.install_ddp_buckets).
 
 Private Megatron names relied on are all listed in `check_megatron_ddp_internals()`
 (megatron_internals.py, re-exported here), which raises MegatronInternalsChanged naming each

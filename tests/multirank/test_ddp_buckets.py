@@ -235,6 +235,48 @@ def test_megatron_ddp_with_folding_hook_matches_reference_in_fixed_order():
     assert in_backward == groups and log == list(range(groups))
 
 
+def _training_hook_rank(rank, world):
+    """--moe-ext-ddp-buckets under megatron.training: the train_step hook installs the folding DDP on
+    a plain Megatron DDP chunk before its first step (a stand-in for Megatron's train_step runs the
+    step as finalize_model_grads does: backward, then finish_grad_sync by attribute)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.training import training
+
+    from megatron_ext import training_hooks
+
+    model, weights = build(ep=2)
+    ddp = DistributedDataParallel(model.moe.config, DistributedDataParallelConfig(overlap_grad_reduce=True,
+                                                                                  bucket_size=150), model)
+    seen = []
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+        chunk = model[0]
+        seen.append(getattr(chunk, "grad_launcher", None))
+        chunk.zero_grad_buffer()
+        x, g = rank_tokens(rank, TOKENS, HIDDEN)
+        ((chunk(x) * g).sum() / TOKENS).backward()
+        chunk.finish_grad_sync()
+
+    training.train_step = train_step  # this rank's process only
+    assert training_hooks.install(MoEExtConfig(transport="torch", dropless=True, ddp_buckets=True))
+    logs = []
+    for step in range(2):
+        training.train_step(None, None, [ddp], None, None, None, None, iteration=step + 1)
+        compare_with_reference(model, reference_grads(weights, world), rank, f"hooked step {step} ",
+                               grad_of=lambda p: p.main_grad)
+        logs.append(ddp.grad_launcher.last_log)
+    assert seen[0] is not None and seen[1] is seen[0], "installed once, before the first step"
+    return logs, len(ddp.grad_launcher.order)
+
+
+def test_ddp_buckets_flag_installs_the_folding_hook_before_the_first_step():
+    results = run_on_ranks(_training_hook_rank, 4, sizes=ParallelSizes(ep=2))
+    logs, groups = results[0]
+    assert groups >= 3 and all(r == results[0] for r in results), results
+    assert logs == [list(range(groups))] * 2
+
+
 def _fp32_reduce_scatter_rank(rank, world):
     """Megatron links each bucket group to its predecessor under reduce_scatter_with_fp32_accumulation
     and drains it inside start_grad_sync (whose first-batch finish_grad_sync starts it again): the

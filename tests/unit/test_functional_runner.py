@@ -453,6 +453,7 @@ def test_bench_training_variants_parse_and_validate(variant, monkeypatch):
     assert args.moe_ext_dispatcher == ("megatron" if variant == "ext_experts" else "rowwise")
     assert args.moe_ext_dropless == (variant == "rowwise_dropless")
     assert args.moe_ext_cuda_graphs == (variant == "rowwise_graphs")
+    assert args.moe_ext_ddp_buckets == (variant == "rowwise_ddp_buckets")
 
 
 def test_train_variant_appends_flags_and_reads_the_log(monkeypatch, tmp_path):

@@ -133,9 +133,30 @@ def test_local_attention_backend_is_refused_with_a_reason(hooked):
         parse_with(hooked, MOE_MODEL + ["--attention-backend", "local"])
 
 
-def test_flags_not_yet_wired_into_megatron_training_are_refused(hooked):
-    with pytest.raises(MoEExtArgumentError, match="--moe-ext-ddp-buckets"):
-        parse_with(hooked, MOE_MODEL + ["--moe-ext-ddp-buckets"])
+MEGATRONS_LAYERS = MOE_MODEL + ["--spec", "megatron.training.models.gpt", "default_layer_spec"]
+
+
+@pytest.mark.parametrize("model", [MOE_MODEL, [], MEGATRONS_LAYERS], ids=["ours", "dense", "megatrons"])
+def test_ddp_buckets_go_to_the_training_hook_not_the_layers(hooked, monkeypatch, model):
+    """Any model (its DDP is Megatron's whatever builds the MoE layers): the training hook gets
+    ddp_buckets, the layers' default config does not (the layer builder refuses it)."""
+    from megatron_ext import training_hooks
+
+    installed = []
+    monkeypatch.setattr(training_hooks, "install", lambda config: installed.append(config) or True)
+    parse_with(hooked, model + ["--moe-ext-ddp-buckets"])
+    assert [config.ddp_buckets for config in installed] == [True]
+    assert not specs.default_ext_config().ddp_buckets
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--use-megatron-fsdp", "--use-distributed-optimizer"], "--moe-ext-ddp-buckets with --use-megatron-fsdp"),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     "--moe-ext-ddp-buckets with --num-distributed-optimizer-instances 2"),
+])
+def test_ddp_buckets_without_megatrons_whole_ddp_are_refused(hooked, flags, named):
+    with pytest.raises(MoEExtArgumentError, match=named):
+        parse_with(hooked, MOE_MODEL + ["--moe-ext-ddp-buckets", *flags])
 
 
 def test_megatrons_own_help_prints_under_the_hook(hooked, capsys):

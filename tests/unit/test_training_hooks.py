@@ -132,3 +132,11 @@ def test_wrapped_train_step_attaches_the_dropless_arena_first(monkeypatch):
     training.evaluate(None, None, ["EVAL"], None, None)
     assert seen == [("attach", ["EVAL"]), ("evaluate", ["EVAL"])]
     assert training.evaluate.__wrapped__ is fake_evaluate
+
+
+def test_ddp_buckets_refuse_a_chunk_that_is_not_megatrons_ddp():
+    """Another script's FSDP (or no wrapper) reaches the hook: refused, naming the chunk and the fix."""
+    import pytest
+
+    with pytest.raises(TypeError, match="model chunk 0 is a Linear: drop --moe-ext-ddp-buckets"):
+        training_hooks.install_ddp_buckets([torch.nn.Linear(2, 2)])
