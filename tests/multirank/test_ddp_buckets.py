@@ -277,6 +277,108 @@ def test_ddp_buckets_flag_installs_the_folding_hook_before_the_first_step():
     assert logs == [list(range(groups))] * 2
 
 
+# ---------------------------------------------------------------- Megatron's train() call sequence
+
+
+def _reference_of(model, ref: dict) -> dict:
+    """Each parameter's expected gradient (this rank's experts only), keyed by the parameter."""
+    experts = local_expert_range(model.moe)
+    named = dict(model.named_parameters())
+    return {named[name]: want[experts.start:experts.stop] if name.startswith("moe.experts.") else want
+            for name, want in ref.items()}
+
+
+def _assert_reduced(ddp, model, ref: dict, prefix: str) -> None:
+    """Every bucket's reduced values against the reference: whole buffers after an all-reduce, this
+    rank's shard after the distributed optimizer's reduce-scatter."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    want_of = _reference_of(model, ref)
+    for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        for bucket in bucket_group.buckets:
+            want = torch.zeros_like(bucket.grad_data)
+            for param in bucket.params_list:
+                start = (param.main_grad.data_ptr() - bucket.grad_data.data_ptr()) // want.element_size()
+                want[start:start + param.numel()] = want_of[param].reshape(-1)
+            have = bucket.grad_data
+            if ddp.ddp_config.use_distributed_optimizer:
+                size, index = (bucket_group.intra_distributed_optimizer_instance_size,
+                               bucket_group.intra_distributed_optimizer_instance_rank)
+                have, want = shard_buffer(have, size)[index], shard_buffer(want, size)[index]
+            assert_close(have, want, RTOL, f"{prefix}bucket {bucket.bucket_id}")
+
+
+def _megatron_loop_rank(rank, world, settings):
+    """Megatron's train() sets config.no_sync_func, config.grad_sync_func (the chunks' own bound
+    start_grad_sync, with --align-grad-reduce) and config.finalize_model_grads_func before its first
+    train_step, i.e. before the hook installs the folding DDP (megatron/training/training.py 3532-3550).
+    The stand-in step runs the interleaved schedule's calls on two chunks (schedules.py 1073-1114,
+    1395-1429, 2037-2066) and Megatron's real finalize_model_grads: every step must launch every bucket
+    group through the ordered launcher and reduce every gradient."""
+    import contextlib
+    import types
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.training import training
+
+    from megatron_ext import training_hooks
+
+    results = []
+    for overlap, align, distopt in settings:
+        built = [build(ep=2) for _ in range(2)]
+        chunks = [DistributedDataParallel(m.moe.config, DistributedDataParallelConfig(
+            overlap_grad_reduce=overlap, use_distributed_optimizer=distopt, bucket_size=150), m) for m, _ in built]
+        config = types.SimpleNamespace(no_sync_func=None, grad_sync_func=None, finalize_model_grads_func=None)
+        if overlap:  # train(), before the first train_step
+            config.no_sync_func = [chunk.no_sync for chunk in chunks]
+            if align:
+                config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
+
+        def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                       forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            x, g = rank_tokens(rank, TOKENS, HIDDEN)
+            no_sync = contextlib.ExitStack()
+            for chunk_no_sync in config.no_sync_func or []:
+                no_sync.enter_context(chunk_no_sync())
+            for microbatch in range(2):
+                if microbatch == 1 and config.grad_sync_func is None:
+                    no_sync.close()  # the last microbatch's backward launches from the hooks
+                for chunk in model:
+                    ((chunk(x) * g).sum() / TOKENS / 2).backward()
+            no_sync.close()
+            for index, grad_sync in enumerate(config.grad_sync_func or []):
+                grad_sync(model[index].parameters())
+            config.finalize_model_grads_func(model)
+
+        training.train_step = train_step  # this rank's process only
+        assert training_hooks.install(MoEExtConfig(transport="torch", dropless=True, ddp_buckets=True))
+        logs = []
+        for step in range(3):
+            training.train_step(None, None, chunks, None, None, config, None, iteration=step + 1)
+            for chunk, (model, weights) in zip(chunks, built):
+                _assert_reduced(chunk, model, reference_grads(weights, world),
+                                f"{(overlap, align, distopt)} step {step} rank {rank} ")
+            logs.append([chunk.grad_launcher.last_log for chunk in chunks])
+        results.append((logs, [len(chunk.grad_launcher.order) for chunk in chunks]))
+    return results
+
+
+# (overlap_grad_reduce, align_grad_reduce, use_distributed_optimizer)
+MEGATRON_LOOP_SETTINGS = [(True, True, False), (True, False, True), (True, True, True), (False, False, False),
+                          (False, False, True)]
+
+
+def test_ddp_buckets_under_megatrons_train_call_sequence_reduce_every_step():
+    results = run_on_ranks(_megatron_loop_rank, 4, MEGATRON_LOOP_SETTINGS, sizes=ParallelSizes(ep=2))
+    assert all(r == results[0] for r in results), results
+    for (logs, groups), setting in zip(results[0], MEGATRON_LOOP_SETTINGS):
+        assert logs == [[list(range(n)) for n in groups]] * 3, (setting, logs)
+
+
 def _fp32_reduce_scatter_rank(rank, world):
     """Megatron links each bucket group to its predecessor under reduce_scatter_with_fp32_accumulation
     and drains it inside start_grad_sync (whose first-batch finish_grad_sync starts it again): the

@@ -151,6 +151,7 @@ def test_ddp_buckets_go_to_the_training_hook_not_the_layers(hooked, monkeypatch,
 
 @pytest.mark.parametrize("flags, named", [
     (["--use-megatron-fsdp", "--use-distributed-optimizer"], "--moe-ext-ddp-buckets with --use-megatron-fsdp"),
+    (["--use-torch-fsdp2"], "--moe-ext-ddp-buckets with --use-torch-fsdp2"),
     (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
      "--moe-ext-ddp-buckets with --num-distributed-optimizer-instances 2"),
 ])
