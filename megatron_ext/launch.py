@@ -36,8 +36,8 @@ import re
 import runpy
 import sys
 
-from megatron_ext.arguments import (FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
-                                    training_loop_conflicts, validate_against_megatron)
+from megatron_ext.argument_checks import training_loop_conflicts, validate_against_megatron
+from megatron_ext.arguments import FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args
 from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
 EXT_SPEC = ["megatron_ext.specs", "gpt_block_spec"]

@@ -1,6 +1,6 @@
 """One set of rules: what megatron_ext needs from Megatron's settings, read by every door.
 
-The launcher (`arguments.validate_against_megatron`, on parsed args), the rowwise layer
+The launcher (`argument_checks.validate_against_megatron`, on parsed args), the rowwise layer
 (`moe/layer.py`, on a TransformerConfig) and the experts (`moe/experts.py`) all ask this module,
 so the Python API and the command line refuse the same things with the same reasons. Each
 message names the TransformerConfig field and the flag that sets it.

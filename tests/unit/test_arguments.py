@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from megatron_ext.argument_checks import validate_against_megatron
 from megatron_ext.arguments import (FLAGS, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
-                                    ext_config_to_argv, flag_table_markdown, validate_against_megatron)
+                                    ext_config_to_argv, flag_table_markdown)
 from megatron_ext.config import MoEExtConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
