@@ -32,14 +32,15 @@ drops them early where a caller wants their memory back.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.cuda_graphs import arena_slots
+from megatron_ext.cuda_graphs.blockers import capture_blockers, transport_blocker
 from megatron_ext.cuda_graphs.capture import CaptureFailed, capture
+from megatron_ext.cuda_graphs.uncounted_steps import metrics_untouched
 from megatron_ext.moe.peer_failure import named_phase, peer_timeout_seconds
 from megatron_ext.cuda_graphs.main_grads import (flag_added, flagged_by, main_grad_addresses, main_grads_moved,
                                                  main_grads_set_aside)
@@ -51,110 +52,10 @@ class WarmUpFailed(RuntimeError):
     """The eager warm-up failed on this rank at EP > 1: its peers cannot be told (module docstring)."""
 
 
-def capture_blockers(layer, hidden: torch.Tensor) -> list[str]:
-    """Reasons this layer cannot be captured here (empty: capturable). The same on every rank."""
-    reasons = []
-    if not hidden.is_cuda:
-        reasons.append(f"the input is on {hidden.device}, CUDA graphs need a GPU")
-    ext = getattr(layer, "ext_config", None)
-    if ext is None or ext.dispatcher != "rowwise":
-        reasons.append("only the rowwise MoE layer is synchronization-free; Megatron's dispatchers wait on the host")
-    elif ext.debug_checks:
-        reasons.append("debug_checks reads device values on the host (a sync) inside the layer")
-    if getattr(getattr(layer, "router", None), "router_replay", None) is not None:
-        reasons.append("Megatron's router replay (--moe-enable-routing-replay) feeds the top-k from host-side "
-                       "lists that change every step; a graph would replay the capture step's routes")
-    if _aux_loss_all_reduce(getattr(layer, "router", None)):
-        reasons.append("the router's load-balancing loss all-reduces its counts over TP x CP (NCCL; TP x DP x CP for "
-                       "the global aux loss) inside the "
-                       "layer, and a graph holding NCCL work keeps destroy_process_group from returning "
-                       "(pytorch/pytorch#115388)")
-    if _quantile_gather(getattr(layer, "router", None)):
-        reasons.append("Megatron's quantile-balancing routing (--moe-router-load-balancing-type quantile_balancing) "
-                       "all-gathers the router logits over TP x CP (NCCL) inside the layer, and a graph holding NCCL "
-                       "work keeps destroy_process_group from returning (pytorch/pytorch#115388)")
-    return reasons
-
-
-def _aux_loss_all_reduce(router) -> bool:
-    """Megatron's router (and the fused one) all-reduce the tokens per expert for its load-balancing
-    losses: over TP x CP (aux_loss, seq_aux_loss), over TP x DP x CP (global_aux_loss), when that
-    group has more than one rank (0.19.2)."""
-    if not hasattr(router, "get_aux_loss_coeff"):
-        return False
-
-    def reduces(kinds, group) -> bool:
-        return group is not None and group.size() > 1 and any(router.get_aux_loss_coeff(k) > 0 for k in kinds)
-    return reduces(("aux_loss", "seq_aux_loss"), getattr(router, "tp_cp_group", None)) or \
-        reduces(("global_aux_loss",), getattr(router, "tp_dp_cp_group", None))
-
-
-def _quantile_gather(router) -> bool:
-    """Megatron's quantile-balancing routing all-gathers the logits over TP x CP in its forward, when
-    that group has more than one rank (0.19.2, TopKRouter.quantile_balancing)."""
-    group = getattr(router, "tp_cp_group", None)
-    return getattr(router, "routing_type", None) == "quantile_balancing" and group is not None and group.size() > 1
-
-
-def transport_blocker(layer) -> str | None:
-    """After warm-up (the transport exists): refuse transports that would put NCCL in the graph."""
-    dispatcher = getattr(layer, "token_dispatcher", None)
-    transport = getattr(dispatcher, "transport", None)
-    if getattr(dispatcher, "ep_size", 1) > 1 and not hasattr(transport, "gather_counts"):
-        return (f"the {type(transport).__name__} runs NCCL collectives inside the layer; a CUDA graph holding "
-                f"them keeps destroy_process_group from returning (pytorch/pytorch#115388): use "
-                f"--moe-ext-transport symm for graphs at EP > 1")
-    return None
-
-
 def ep_group_of(layer):
     dispatcher = getattr(layer, "token_dispatcher", None)
     group = getattr(dispatcher, "ep_group", None)
     return group if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 else None
-
-
-@contextlib.contextmanager
-def metrics_untouched(layer):
-    """Run steps whose metrics must not count: Megatron's MoE metrics tracker (the logged
-    load-balancing loss, per layer), the layer's own routing metrics and the layer's buffers are
-    as before afterwards. Entries first created inside stay (so a later capture records into
-    tensors that already exist) but hold zero. The buffers are what a forward accumulates for the
-    step's end: the router's tokens per expert for the expert-bias update, the global aux loss's
-    counts and steps, quantile balancing's sums (Megatron's own graph runner zeroes them after
-    capture, finalize_model_grads.reset_model_temporary_tensors). Megatron internals:
-    MoEMetricsTracker.metrics[name].values (transformer/moe/moe_logging.py, megatron-core 0.19.2);
-    tests/unit/test_graph_runner_metrics.py fails if they move."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    tracker = get_moe_metrics_tracker()
-    saved = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
-    saved_own = {name: counter.clone() for name, counter in _layer_counters(layer).items()}
-    buffers = list(layer.buffers()) if isinstance(layer, torch.nn.Module) else []
-    saved_buffers = [buffer.clone() for buffer in buffers]
-    try:
-        yield
-    finally:
-        for name, entry in tracker.metrics.items():
-            if name in saved:
-                entry.values.copy_(saved[name])
-            else:
-                entry.values.zero_()
-        for name, counter in _layer_counters(layer).items():
-            if name in saved_own:
-                counter.copy_(saved_own[name])
-            else:
-                counter.zero_()
-        for buffer, saved_buffer in zip(buffers, saved_buffers):
-            buffer.copy_(saved_buffer)
-
-
-def _layer_counters(layer) -> dict[str, torch.Tensor]:
-    """The layer's own device counters a step adds to: its routing metrics and, under
-    on_overflow='error', the overflow guard's (whose next check would count warm-up forwards)."""
-    guard = getattr(layer, "_overflow", None)
-    counters = {"metrics": getattr(layer, "_metrics", None), "overflow_sums": getattr(guard, "sums", None),
-                "overflow_peak_demand": getattr(guard, "peak_demand", None)}
-    return {name: counter for name, counter in counters.items() if counter is not None}
 
 
 class _Slot:

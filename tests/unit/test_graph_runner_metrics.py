@@ -6,7 +6,7 @@ change of its internals fails here."""
 import torch
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-from megatron_ext.cuda_graphs.runner import metrics_untouched
+from megatron_ext.cuda_graphs.uncounted_steps import metrics_untouched
 
 
 class _Layer:

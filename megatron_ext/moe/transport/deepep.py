@@ -15,7 +15,7 @@ Cost removed (vs Megatron's flex dispatcher over DeepEP): the host-visible per-e
 list and the host wait behind it: `num_worst_tokens = C` sizes every output statically
 (a rank never receives more than C kept routes), so dispatch, combine and their backward
 need no host value. (The layer's route-count exchange over this transport is an NCCL
-all-gather, so the graph runner refuses deepep at EP > 1: runner.transport_blocker.)
+all-gather, so the graph runner refuses deepep at EP > 1: cuda_graphs/blockers.transport_blocker.)
 Vs the torch reference transport: only kept rows travel, with no zero-filled [M, C, H] blocks.
 Router probabilities travel as DeepEP's topk_weights: dispatch carries each route's probability
 to its row, and the dispatch backward's combine brings each row's probability gradient back.
