@@ -149,15 +149,19 @@ def test_ddp_buckets_go_to_the_training_hook_not_the_layers(hooked, monkeypatch,
     assert not specs.default_ext_config().ddp_buckets
 
 
+@pytest.mark.parametrize("model", [MOE_MODEL, [], MEGATRONS_LAYERS], ids=["ours", "dense", "megatrons"])
 @pytest.mark.parametrize("flags, named", [
     (["--use-megatron-fsdp", "--use-distributed-optimizer"], "--moe-ext-ddp-buckets with --use-megatron-fsdp"),
     (["--use-torch-fsdp2"], "--moe-ext-ddp-buckets with --use-torch-fsdp2"),
     (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
      "--moe-ext-ddp-buckets with --num-distributed-optimizer-instances 2"),
 ])
-def test_ddp_buckets_without_megatrons_whole_ddp_are_refused(hooked, flags, named):
+def test_ddp_buckets_without_megatrons_whole_ddp_are_refused(hooked, model, flags, named):
+    """On any model (the hook wraps Megatron's DDP whatever builds the MoE layers); without
+    --moe-ext-ddp-buckets the same Megatron flags are megatron_ext's business no more."""
+    parse_with(hooked, model + flags)  # no DDP buckets asked for: accepted
     with pytest.raises(MoEExtArgumentError, match=named):
-        parse_with(hooked, MOE_MODEL + ["--moe-ext-ddp-buckets", *flags])
+        parse_with(hooked, model + ["--moe-ext-ddp-buckets", *flags])
 
 
 def test_megatrons_own_help_prints_under_the_hook(hooked, capsys):
