@@ -66,6 +66,17 @@ def test_hook_point_and_install_are_idempotent(monkeypatch):
     assert training.train_step is wrapped and wrapped._megatron_ext_config[0].replica_check_interval == 3
 
 
+def test_ddp_buckets_install_the_hook_under_megatrons_layers(monkeypatch):
+    """--moe-ext-ddp-buckets wraps Megatron's DDP whatever builds the MoE layers: the hook installs
+    for Megatron's dispatcher too."""
+    from megatron.training import training
+
+    original = getattr(training.train_step, "__wrapped__", training.train_step)
+    monkeypatch.setattr(training, "train_step", original)
+    assert training_hooks.install(MoEExtConfig(dispatcher="megatron", ddp_buckets=True))
+    assert training.train_step.__wrapped__ is original and training.train_step._megatron_ext_config[0].ddp_buckets
+
+
 def test_wrapped_train_step_runs_the_hooks_with_megatrons_arguments(monkeypatch):
     from megatron.training import training
 
@@ -140,3 +151,4 @@ def test_ddp_buckets_refuse_a_chunk_that_is_not_megatrons_ddp():
 
     with pytest.raises(TypeError, match="model chunk 0 is a Linear: drop --moe-ext-ddp-buckets"):
         training_hooks.install_ddp_buckets([torch.nn.Linear(2, 2)])
+
