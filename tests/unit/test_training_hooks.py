@@ -152,3 +152,37 @@ def test_ddp_buckets_refuse_a_chunk_that_is_not_megatrons_ddp():
     with pytest.raises(TypeError, match="model chunk 0 is a Linear: drop --moe-ext-ddp-buckets"):
         training_hooks.install_ddp_buckets([torch.nn.Linear(2, 2)])
 
+
+def test_ddp_buckets_install_once_per_chunk_and_say_so(monkeypatch, capsys):
+    """Each chunk gets install_folding_ddp once (a later step finds its grad_launcher), a lone chunk
+    as well as a list, and rank 0 prints each chunk's report once; a chunk that is not Megatron's
+    DDP is named by its index."""
+    import pytest
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_ext.ddp import megatron_hook
+
+    class _DDP(DistributedDataParallel):
+        def __init__(self):
+            torch.nn.Module.__init__(self)  # isinstance is what the hook asks; no buffers needed
+
+    installed = []
+
+    def install_folding_ddp(chunk):
+        installed.append(chunk)
+        chunk.grad_launcher = object()
+        return ["dense: already reduces over DP x CP", "expert: already reduces over EP_DP"]
+
+    monkeypatch.setattr(megatron_hook, "install_folding_ddp", install_folding_ddp)
+    chunks = [_DDP(), _DDP()]
+    for _ in range(2):  # two train_steps
+        training_hooks.install_ddp_buckets(chunks)
+    assert installed == chunks  # nn.Module compares by identity
+    assert capsys.readouterr().out.splitlines() == [
+        f"megatron_ext: DDP buckets of model chunk {index} in one launch order; dense: already reduces over DP x CP; "
+        f"expert: already reduces over EP_DP" for index in (0, 1)]
+    lone = _DDP()
+    training_hooks.install_ddp_buckets(lone)
+    assert installed[-1] is lone and len(installed) == 3
+    with pytest.raises(TypeError, match="model chunk 1 is a Linear: drop --moe-ext-ddp-buckets"):
+        training_hooks.install_ddp_buckets([lone, torch.nn.Linear(2, 2)])
