@@ -239,6 +239,9 @@ def _training_hook_rank(rank, world):
     """--moe-ext-ddp-buckets under megatron.training: the train_step hook installs the folding DDP on
     a plain Megatron DDP chunk before its first step (a stand-in for Megatron's train_step runs the
     step as finalize_model_grads does: backward, then finish_grad_sync by attribute)."""
+    import contextlib
+    import io
+
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.training import training
 
@@ -260,21 +263,26 @@ def _training_hook_rank(rank, world):
 
     training.train_step = train_step  # this rank's process only
     assert training_hooks.install(MoEExtConfig(transport="torch", dropless=True, ddp_buckets=True))
-    logs = []
+    logs, printed = [], io.StringIO()
     for step in range(2):
-        training.train_step(None, None, [ddp], None, None, None, None, iteration=step + 1)
+        with contextlib.redirect_stdout(printed):
+            training.train_step(None, None, [ddp], None, None, None, None, iteration=step + 1)
         compare_with_reference(model, reference_grads(weights, world), rank, f"hooked step {step} ",
                                grad_of=lambda p: p.main_grad)
         logs.append(ddp.grad_launcher.last_log)
     assert seen[0] is not None and seen[1] is seen[0], "installed once, before the first step"
-    return logs, len(ddp.grad_launcher.order)
+    return logs, len(ddp.grad_launcher.order), printed.getvalue().splitlines()
 
 
 def test_ddp_buckets_flag_installs_the_folding_hook_before_the_first_step():
     results = run_on_ranks(_training_hook_rank, 4, sizes=ParallelSizes(ep=2))
-    logs, groups = results[0]
-    assert groups >= 3 and all(r == results[0] for r in results), results
+    logs, groups, _ = results[0]
+    assert groups >= 3 and all(r[:2] == results[0][:2] for r in results), results
     assert logs == [list(range(groups))] * 2
+    said = results[0][2]  # rank 0 alone says what it found, once
+    assert len(said) == 1 and "already reduces" in said[0], said
+    assert said[0].startswith("megatron_ext: DDP buckets of model chunk 0 in one launch order; "), said
+    assert [r[2] for r in results[1:]] == [[], [], []], results
 
 
 # ---------------------------------------------------------------- Megatron's train() call sequence
