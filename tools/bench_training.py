@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the time median")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant (interleaved); median and spread")
     parser.add_argument("--output-dir", help="training logs (default: a new temporary folder)")
-    parser.add_argument("--extra-args", default="", help="flags appended to every variant. Note: Megatron's "
+    parser.add_argument("--extra-args", default="", help="flags appended to every variant, as one string; give a "
+                        "single flag with '=' (--extra-args=--moe-ext-ddp-buckets), which argparse would otherwise "
+                        "read as an option of this tool. Note: Megatron's "
                         "--timing-log-level 2 synchronizes the device around every microbatch's forward and "
                         "backward, which removes host/device overlap and slows eager variants more than graphed ones")
     add_results_dir_arg(parser)
