@@ -200,10 +200,11 @@ def _check_device(t: torch.Tensor) -> None:
 def _check_same_device(op: str, named: dict[str, torch.Tensor]) -> None:
     """One kernel reads and writes all of them: a tensor on another device would be read as garbage
     (or fault), so refuse it here with the devices named."""
-    devices = {name: t.device for name, t in named.items()}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
-        raise ValueError(f"{op}: the tensors must share one device, got {listed}; move them with .to(device)")
+    first, *rest = named.values()
+    if all(t.device == first.device for t in rest):
+        return
+    listed = ", ".join(f"{name} on {t.device}" for name, t in named.items())
+    raise ValueError(f"{op}: the tensors must share one device, got {listed}; move them with .to(device)")
 
 
 def _check_inner_contiguous(name: str, t: torch.Tensor) -> None:

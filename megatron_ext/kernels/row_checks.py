@@ -103,12 +103,12 @@ def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_r
 
 def check_return_table(op, return_table, peer_table) -> None:
     """A dispatch PUT's return table: the owners' [C] int64 arrays, one address per peer like peer_table."""
-    if return_table is None:
-        return
-    require(return_table.shape == peer_table.shape and return_table.dtype == torch.int64
-            and return_table.device == peer_table.device,
-            f"{op}: return_table must be an int64 [{peer_table.numel()}] table like peer_table on {peer_table.device}, "
-            f"got {return_table.dtype} {tuple(return_table.shape)} on {return_table.device}")
+    if return_table is None or (return_table.shape == peer_table.shape and return_table.dtype == torch.int64
+                                and return_table.device == peer_table.device):
+        return  # every PUT of a put-return step passes here: no message built unless it is raised
+    raise ValueError(f"{op}: return_table must be an int64 [{peer_table.numel()}] table like peer_table on "
+                     f"{peer_table.device}, got {return_table.dtype} {tuple(return_table.shape)} on "
+                     f"{return_table.device}")
 
 
 def check_runnable(op, rows_like):
