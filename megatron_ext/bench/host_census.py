@@ -47,7 +47,7 @@ ROWWISE_TARGETS = (
     ("megatron_ext.moe.experts", "counts_to_offsets"),
     ("megatron_ext.moe.transport.symm", "put_rows"),
     ("megatron_ext.moe.transport.symm", "get_rows"),
-    ("megatron_ext.moe.layer", "RowwiseMoELayer._accumulate_metrics"),
+    ("megatron_ext.moe.layer", "RowwiseMoELayer._count_routes_beyond_first"),
     ("megatron.core.transformer.moe.router", "TopKRouter.attach_and_log_load_balancing_loss"),
     ("torch", "mm"),
     ("torch", "_grouped_mm"),

@@ -126,19 +126,30 @@ def _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L: tl.conste
 
 
 @triton.jit
+def _store_metric(packed_ptr, sums_ptr, at, value, mask, SUMS: tl.constexpr):
+    """RouteMetrics.packed[at] = value (int32) and, with SUMS, the layer's running sums[at] += value
+    (int64). An atomic add, not a load and a store: a value held by several threads of the program
+    would otherwise be added once per thread (Triton predicates a store or atomic to one of them)."""
+    tl.store(packed_ptr + at, value.to(tl.int32), mask=mask)
+    if SUMS:
+        tl.atomic_add(sums_ptr + at, value.to(tl.int64), mask=mask)
+
+
+@triton.jit
 def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr, dest_row_ptr, packed_ptr,
                   recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, dest_capacity_ptr, capacity, rank, M, T, E, L,
-                  cursor_ptr, next_cursor_ptr, start_ptr, region, shared, run_on,
+                  cursor_ptr, next_cursor_ptr, start_ptr, region, shared, run_on, sums_ptr,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, PER_DEST: tl.constexpr, ARENA: tl.constexpr,
-                  SPILLS: tl.constexpr):
+                  SPILLS: tl.constexpr, SUMS: tl.constexpr):
     """Plan and place in one launch: every program plans all M destinations (a few thousand
     integer ops), keeps what its tokens need (this rank's keep and base row per expert), and
     program 0 also stores the plan's outputs and metrics. PER_DEST: destination d may keep
     dest_capacity[d] rows (int64, device) instead of `capacity` (the buffer's rows). ARENA (the
     dropless arena's cursor, moe/arena.ArenaCursor): destination d may keep region + min(shared -
     cursor[d], run_on) rows, and program 0 writes the cursor after this layer (SPILLS: each
-    destination's rows past the region added) and this rank's spill start (shared - that)."""
+    destination's rows past the region added) and this rank's spill start (shared - that). SUMS:
+    program 0 also adds the metrics into the layer's running sums (int64, sums_ptr)."""
     block = tl.program_id(0)
     first = block == 0
     experts = tl.arange(0, BLOCK_E)
@@ -166,8 +177,8 @@ def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr
         base_e += tl.sum(tl.where(match, row_base[None, :], 0), axis=1)
         kept_mine_total += tl.sum(keep_mine, axis=0)
         global_experts = dest * L + lanes
-        tl.store(packed_ptr + global_experts, tl.sum(req, axis=1).to(tl.int32), mask=in_expert & first)
-        tl.store(packed_ptr + E + global_experts, kept.to(tl.int32), mask=in_expert & first)  # RouteMetrics.packed
+        _store_metric(packed_ptr, sums_ptr, global_experts, tl.sum(req, axis=1), in_expert & first, SUMS)
+        _store_metric(packed_ptr, sums_ptr, E + global_experts, kept, in_expert & first, SUMS)
         is_mine = first & (dest == rank)
         tl.store(recv_counts_ptr + lanes, kept.to(tl.int32), mask=in_expert & is_mine)
         tl.store(recv_offsets_ptr + lanes, tl.cumsum(kept, axis=0).to(tl.int32), mask=in_expert & is_mine)
@@ -175,15 +186,15 @@ def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr
         tl.store(mine_ptr + local * M + source, keep.to(tl.int32), mask=(local < L) & (source < M) & is_mine)
         received = tl.sum(kept, axis=0)
         tl.store(fill_ptr, tl.div_rn(received.to(tl.float32), tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)
-        tl.store(packed_ptr + 2 * E + 1, received.to(tl.int32), mask=is_mine)
+        _store_metric(packed_ptr, sums_ptr, 2 * E + 1, received, is_mine, SUMS)
         if ARENA:  # the next layer's cursor is another array: no program reads what program 0 writes
             moved = spilled + tl.maximum(received - region, 0) if SPILLS else spilled
             tl.store(next_cursor_ptr + dest, moved, mask=first)
             tl.store(start_ptr, shared - moved if SPILLS else moved * 0, mask=is_mine)
     # Dropped: every empty or unkept route slot of this rank (place keeps exactly the plan's keep).
-    tl.store(packed_ptr + 2 * E, (T * K - kept_mine_total).to(tl.int32), mask=first)
-    tl.store(packed_ptr + 2 * E + 2, tl.load(nonfinite_ptr), mask=first)
-    tl.store(packed_ptr + 2 * E + 3, 1, mask=first)  # one step
+    _store_metric(packed_ptr, sums_ptr, 2 * E, T * K - kept_mine_total, first, SUMS)
+    _store_metric(packed_ptr, sums_ptr, 2 * E + 2, tl.load(nonfinite_ptr), first, SUMS)
+    _store_metric(packed_ptr, sums_ptr, 2 * E + 3, kept_mine_total * 0 + 1, first, SUMS)  # one step
 
     tokens, experts, _, _, routes, slot = _selection_tile(map_ptr, block, T, E, K, BLOCK_T, BLOCK_E)
     in_experts = experts < E
@@ -238,12 +249,16 @@ def select_backward(routing_map: torch.Tensor, grad_top_probs: torch.Tensor, dty
 
 def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: torch.Tensor, requested_all: torch.Tensor,
                    topk: int, capacity: int, ep_rank: int, dest_capacity: torch.Tensor | None = None,
-                   arena=None) -> dict:
+                   arena=None, metric_sums: torch.Tensor | None = None) -> dict:
     """The keep plan from the gathered [M, E] counts and this rank's rows, in one launch: a dict
     with dest_rank, dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept
     rows per (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed).
     `dest_capacity` [M] (device): rows each destination may keep (at most `capacity`).
-    `arena` (moe/arena.ArenaCursor): the capacities come from its cursor, which the launch moves."""
+    `arena` (moe/arena.ArenaCursor): the capacities come from its cursor, which the launch moves.
+    `metric_sums` [2E + 4] int64 (device): the launch adds `packed` into it (the layer's running
+    sums; one add launch fewer per layer step)."""
+    if metric_sums is not None:
+        check_metric_sums(metric_sums, routing_map.shape[1], routing_map.device)
     if arena is not None and dest_capacity is not None:
         raise ValueError("plan_and_place: give the arena's cursor or dest_capacity, not both (the cursor's "
                          "capacities replace dest_capacity)")
@@ -264,9 +279,20 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
         ep_rank, m, num_tokens, num_experts, local,
         *((fill, fill, fill, 0, 0, 0) if arena is None else
           (arena.before, arena.after, arena.start, arena.region, arena.shared, arena.run_on)),
-        K=topk, BLOCK_K=triton.next_power_of_2(topk),
+        fill if metric_sums is None else metric_sums, K=topk, BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_L=triton.next_power_of_2(local),
         BLOCK_M=triton.next_power_of_2(m), PER_DEST=dest_capacity is not None, ARENA=arena is not None,
-        SPILLS=arena is not None and arena.spills, num_warps=4)
+        SPILLS=arena is not None and arena.spills, SUMS=metric_sums is not None, num_warps=4)
     return {"dest_rank": dest[0], "dest_row": dest[1], "recv_counts": receive[0], "recv_offsets": receive[1],
             "mine": mine, "buffer_fill": fill, "packed": packed}
+
+
+def check_metric_sums(metric_sums: torch.Tensor, num_experts: int, device) -> None:
+    """The running sums the route launch adds RouteMetrics.packed into: [2E + 4] contiguous int64 on
+    the routing map's device (a wrong one would be written out of bounds or not at all)."""
+    want = (2 * num_experts + 4,)
+    if metric_sums.dtype != torch.int64 or tuple(metric_sums.shape) != want or not metric_sums.is_contiguous() \
+            or metric_sums.device != device:
+        raise ValueError(f"plan_and_place: metric_sums must be a contiguous int64 tensor of shape {want} on {device} "
+                         f"(RouteMetrics.packed's layout for {num_experts} experts); got {metric_sums.dtype} "
+                         f"{tuple(metric_sums.shape)} on {metric_sums.device}")

@@ -69,7 +69,8 @@ class RowwiseMoELayer(MoELayer):
         self.token_dispatcher = RowwiseTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config, ext_config,
             pg_collection=pg_collection)
-        self._metrics = None
+        self._metrics = None  # running route-metric sums, int64 [2E + 5] (_running_sums)
+        self._first_routes = None  # this rank's routes in the first training forward
         self._overflow = OverflowGuard() if ext_config.overflow_policy == "error" else None
         self._host_core = host_core() if ext_config.pin_host_threads else None
         self._graph_runner = None
@@ -88,31 +89,35 @@ class RowwiseMoELayer(MoELayer):
         return self.eager_forward(hidden_states, intermediate_tensors, padding_mask)
 
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        self.token_dispatcher.metric_sums = self._running_sums(hidden_states.device) if self.training else None
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if self._host_core is not None:
             pin_submitting_threads(output[0], self._host_core)
         if self._overflow is not None:  # training and evaluation alike: no route dropped silently
             self._overflow.record(self.token_dispatcher.route_map.metrics, self.token_dispatcher.ep_size)
         if self.training:
-            self._accumulate_metrics(self.token_dispatcher.route_map.metrics)
+            self._count_routes_beyond_first()
         return output
 
-    @torch.no_grad()
-    def _accumulate_metrics(self, metrics) -> None:
-        """Running device-side sums in one int64 vector, updated in place by one add (so CUDA
-        graphs keep updating the same tensor): no host read until `read_metrics`.
-
-        Its last entry sums this rank's routes beyond the first forward's per forward: a microbatch
-        below T_max has fewer routes, and `read_metrics` must not count the last forward's routes for
-        every step. The add runs only for such a microbatch (none in static training, where every
-        forward and graph replay has the first forward's shape)."""
-        routes = self.token_dispatcher.routes_per_step
+    def _running_sums(self, device: torch.device) -> torch.Tensor:
+        """The running device-side sums of the route metrics (RouteMetrics.packed's layout), which the
+        dispatcher's route launch adds into in place, so CUDA graphs keep updating the same tensor and
+        no add runs of its own: no host read until `read_metrics`. One int64 vector with one more
+        entry at the end (_count_routes_beyond_first)."""
         if self._metrics is None:
-            self._metrics = torch.zeros(metrics.packed.numel() + 1, dtype=torch.int64, device=metrics.packed.device)
+            self._metrics = torch.zeros(2 * self.config.num_moe_experts + 5, dtype=torch.int64, device=device)
             self._metric_sums, self._routes_beyond = self._metrics[:-1], self._metrics[-1:]
+        return self._metric_sums
+
+    def _count_routes_beyond_first(self) -> None:
+        """`read_metrics` counts this rank's routes as the first training forward's per forward; a
+        microbatch below T_max has fewer, so the sums' last entry adds the difference. The add runs
+        only for such a microbatch (none in static training, where every forward and graph replay
+        has the first forward's shape)."""
+        routes = self.token_dispatcher.routes_per_step
+        if self._first_routes is None:
             self._first_routes = routes
-        self._metric_sums.add_(metrics.packed)
-        if routes != self._first_routes:
+        elif routes != self._first_routes:
             self._routes_beyond.add_(routes - self._first_routes)
 
     def check_overflow(self) -> None:

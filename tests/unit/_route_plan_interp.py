@@ -65,6 +65,13 @@ def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed,
         a, b = getattr(got.metrics, name), getattr(want.metrics, name)
         assert torch.equal(a.double(), b.double()), f"{case}: metric {name} differs: {a} vs {b}"
     assert torch.equal(got.metrics.packed, want.metrics.packed), f"{case}: packed metrics differ"
+    # The launch adds the metrics into a layer's running sums: two forwards on top of what was there.
+    sums = torch.arange(2 * num_experts + 4, dtype=torch.int64) * 3
+    start = sums.clone()
+    for _ in range(2):
+        fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank, dest_capacity=dest_capacity,
+                           metric_sums=sums)
+    assert torch.equal(sums, start + 2 * want.metrics.packed.long()), f"{case}: sums {sums} vs {start} + 2 x packed"
     grad = torch.randn(num_tokens, topk, generator=torch.Generator().manual_seed(seed + 2))
     (want_probs * grad).sum().backward()
     (got_probs * grad).sum().backward()
