@@ -68,6 +68,10 @@ def test_replay_equals_eager_with_live_microbatches(weights, live):
             assert torch.equal(graphed[0][i], eager[0][i]), f"step {step} microbatch {i} output"
             assert torch.equal(graphed[1][i], eager[1][i]), f"step {step} microbatch {i} input grad"
         assert_close(graphed[2], eager[2], rtol=1e-2, what=f"step {step} fc1 weight grad (summed over microbatches)")
+    # The replayed route launches add into the same running sums as eager (warm-up and capture do not count).
+    graphed_metrics, eager_metrics = graphed_layer.read_metrics(), eager_layer.read_metrics()
+    assert graphed_metrics["steps"] == 3 * live, graphed_metrics["steps"]
+    assert graphed_metrics == eager_metrics, (graphed_metrics, eager_metrics)
 
 
 def test_one_f_one_b_order_equals_eager(weights):
