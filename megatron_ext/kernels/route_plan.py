@@ -126,30 +126,34 @@ def _plan_destination(requested_ptr, dest, capacity, M, E, L, BLOCK_L: tl.conste
 
 
 @triton.jit
-def _store_metric(packed_ptr, sums_ptr, at, value, mask, SUMS: tl.constexpr):
-    """RouteMetrics.packed[at] = value (int32) and, with SUMS, the layer's running sums[at] += value
-    (int64). An atomic add, not a load and a store: a value held by several threads of the program
-    would otherwise be added once per thread (Triton predicates a store or atomic to one of them)."""
+def _store_metric(packed_ptr, sums_ptr, guard_ptr, at, value, mask, SUMS: tl.constexpr, GUARD: tl.constexpr):
+    """RouteMetrics.packed[at] = value (int32), also added (int64) into the layer's running sums
+    (SUMS) and the overflow guard's (GUARD) (moe/metric_sinks.py). Atomic adds, not a load and a
+    store: a value held by several threads of the program would otherwise be added once per thread
+    (Triton predicates a store or an atomic to one of them)."""
     tl.store(packed_ptr + at, value.to(tl.int32), mask=mask)
     if SUMS:
         tl.atomic_add(sums_ptr + at, value.to(tl.int64), mask=mask)
+    if GUARD:
+        tl.atomic_add(guard_ptr + at, value.to(tl.int64), mask=mask)
 
 
 @triton.jit
 def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr, dest_row_ptr, packed_ptr,
                   recv_counts_ptr, recv_offsets_ptr, fill_ptr, mine_ptr, dest_capacity_ptr, capacity, rank, M, T, E, L,
-                  cursor_ptr, next_cursor_ptr, start_ptr, region, shared, run_on, sums_ptr,
+                  cursor_ptr, next_cursor_ptr, start_ptr, region, shared, run_on, sums_ptr, guard_ptr, peak_ptr,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, PER_DEST: tl.constexpr, ARENA: tl.constexpr,
-                  SPILLS: tl.constexpr, SUMS: tl.constexpr):
+                  SPILLS: tl.constexpr, SUMS: tl.constexpr, GUARD: tl.constexpr):
     """Plan and place in one launch: every program plans all M destinations (a few thousand
     integer ops), keeps what its tokens need (this rank's keep and base row per expert), and
     program 0 also stores the plan's outputs and metrics. PER_DEST: destination d may keep
     dest_capacity[d] rows (int64, device) instead of `capacity` (the buffer's rows). ARENA (the
     dropless arena's cursor, moe/arena.ArenaCursor): destination d may keep region + min(shared -
     cursor[d], run_on) rows, and program 0 writes the cursor after this layer (SPILLS: each
-    destination's rows past the region added) and this rank's spill start (shared - that). SUMS:
-    program 0 also adds the metrics into the layer's running sums (int64, sums_ptr)."""
+    destination's rows past the region added) and this rank's spill start (shared - that). SUMS,
+    GUARD: program 0 also adds the metrics into the layer's running sums, the overflow guard's sums
+    and its peak of the rows each destination was asked for (moe/metric_sinks.MetricSinks)."""
     block = tl.program_id(0)
     first = block == 0
     experts = tl.arange(0, BLOCK_E)
@@ -177,8 +181,11 @@ def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr
         base_e += tl.sum(tl.where(match, row_base[None, :], 0), axis=1)
         kept_mine_total += tl.sum(keep_mine, axis=0)
         global_experts = dest * L + lanes
-        _store_metric(packed_ptr, sums_ptr, global_experts, tl.sum(req, axis=1), in_expert & first, SUMS)
-        _store_metric(packed_ptr, sums_ptr, E + global_experts, kept, in_expert & first, SUMS)
+        _store_metric(packed_ptr, sums_ptr, guard_ptr, global_experts, tl.sum(req, axis=1), in_expert & first, SUMS,
+                      GUARD)
+        _store_metric(packed_ptr, sums_ptr, guard_ptr, E + global_experts, kept, in_expert & first, SUMS, GUARD)
+        if GUARD:  # the rows this destination was asked for, all sources
+            tl.atomic_max(peak_ptr + dest, tl.sum(tl.sum(req, axis=1), axis=0), mask=first)
         is_mine = first & (dest == rank)
         tl.store(recv_counts_ptr + lanes, kept.to(tl.int32), mask=in_expert & is_mine)
         tl.store(recv_offsets_ptr + lanes, tl.cumsum(kept, axis=0).to(tl.int32), mask=in_expert & is_mine)
@@ -186,15 +193,15 @@ def _route_kernel(map_ptr, hist_ptr, requested_ptr, nonfinite_ptr, dest_rank_ptr
         tl.store(mine_ptr + local * M + source, keep.to(tl.int32), mask=(local < L) & (source < M) & is_mine)
         received = tl.sum(kept, axis=0)
         tl.store(fill_ptr, tl.div_rn(received.to(tl.float32), tl.maximum(capacity, 1).to(tl.float32)), mask=is_mine)
-        _store_metric(packed_ptr, sums_ptr, 2 * E + 1, received, is_mine, SUMS)
+        _store_metric(packed_ptr, sums_ptr, guard_ptr, 2 * E + 1, received, is_mine, SUMS, GUARD)
         if ARENA:  # the next layer's cursor is another array: no program reads what program 0 writes
             moved = spilled + tl.maximum(received - region, 0) if SPILLS else spilled
             tl.store(next_cursor_ptr + dest, moved, mask=first)
             tl.store(start_ptr, shared - moved if SPILLS else moved * 0, mask=is_mine)
     # Dropped: every empty or unkept route slot of this rank (place keeps exactly the plan's keep).
-    _store_metric(packed_ptr, sums_ptr, 2 * E, T * K - kept_mine_total, first, SUMS)
-    _store_metric(packed_ptr, sums_ptr, 2 * E + 2, tl.load(nonfinite_ptr), first, SUMS)
-    _store_metric(packed_ptr, sums_ptr, 2 * E + 3, kept_mine_total * 0 + 1, first, SUMS)  # one step
+    _store_metric(packed_ptr, sums_ptr, guard_ptr, 2 * E, T * K - kept_mine_total, first, SUMS, GUARD)
+    _store_metric(packed_ptr, sums_ptr, guard_ptr, 2 * E + 2, tl.load(nonfinite_ptr), first, SUMS, GUARD)
+    _store_metric(packed_ptr, sums_ptr, guard_ptr, 2 * E + 3, kept_mine_total * 0 + 1, first, SUMS, GUARD)  # a step
 
     tokens, experts, _, _, routes, slot = _selection_tile(map_ptr, block, T, E, K, BLOCK_T, BLOCK_E)
     in_experts = experts < E
@@ -249,21 +256,21 @@ def select_backward(routing_map: torch.Tensor, grad_top_probs: torch.Tensor, dty
 
 def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: torch.Tensor, requested_all: torch.Tensor,
                    topk: int, capacity: int, ep_rank: int, dest_capacity: torch.Tensor | None = None,
-                   arena=None, metric_sums: torch.Tensor | None = None) -> dict:
+                   arena=None, sinks=None) -> dict:
     """The keep plan from the gathered [M, E] counts and this rank's rows, in one launch: a dict
     with dest_rank, dest_row [T, K], recv_counts, recv_offsets [L], mine [L, M] (this rank's kept
     rows per (local expert, source)), buffer_fill [] and packed [2E + 4] (RouteMetrics.packed).
     `dest_capacity` [M] (device): rows each destination may keep (at most `capacity`).
     `arena` (moe/arena.ArenaCursor): the capacities come from its cursor, which the launch moves.
-    `metric_sums` [2E + 4] int64 (device): the launch adds `packed` into it (the layer's running
-    sums; one add launch fewer per layer step)."""
-    if metric_sums is not None:
-        check_metric_sums(metric_sums, routing_map.shape[1], routing_map.device)
+    `sinks` (moe/metric_sinks.MetricSinks): the launch adds `packed` into them (what `sinks.add`
+    does in torch)."""
+    m = requested_all.shape[0]
+    if sinks is not None:
+        sinks.check(routing_map.shape[1], m, routing_map.device)
     if arena is not None and dest_capacity is not None:
         raise ValueError("plan_and_place: give the arena's cursor or dest_capacity, not both (the cursor's "
                          "capacities replace dest_capacity)")
     num_tokens, num_experts = routing_map.shape
-    m = requested_all.shape[0]
     local = num_experts // m
     device = routing_map.device
     ints = torch.empty(2 * num_tokens * topk + 2 * num_experts + 4 + 2 * local + local * m, dtype=torch.int32,
@@ -279,20 +286,19 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
         ep_rank, m, num_tokens, num_experts, local,
         *((fill, fill, fill, 0, 0, 0) if arena is None else
           (arena.before, arena.after, arena.start, arena.region, arena.shared, arena.run_on)),
-        fill if metric_sums is None else metric_sums, K=topk, BLOCK_K=triton.next_power_of_2(topk),
+        *_sink_pointers(sinks, fill), K=topk, BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_T=BLOCK_TOKENS, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_L=triton.next_power_of_2(local),
         BLOCK_M=triton.next_power_of_2(m), PER_DEST=dest_capacity is not None, ARENA=arena is not None,
-        SPILLS=arena is not None and arena.spills, SUMS=metric_sums is not None, num_warps=4)
+        SPILLS=arena is not None and arena.spills, SUMS=sinks is not None and sinks.running is not None,
+        GUARD=sinks is not None and sinks.overflow is not None, num_warps=4)
     return {"dest_rank": dest[0], "dest_row": dest[1], "recv_counts": receive[0], "recv_offsets": receive[1],
             "mine": mine, "buffer_fill": fill, "packed": packed}
 
 
-def check_metric_sums(metric_sums: torch.Tensor, num_experts: int, device) -> None:
-    """The running sums the route launch adds RouteMetrics.packed into: [2E + 4] contiguous int64 on
-    the routing map's device (a wrong one would be written out of bounds or not at all)."""
-    want = (2 * num_experts + 4,)
-    if metric_sums.dtype != torch.int64 or tuple(metric_sums.shape) != want or not metric_sums.is_contiguous() \
-            or metric_sums.device != device:
-        raise ValueError(f"plan_and_place: metric_sums must be a contiguous int64 tensor of shape {want} on {device} "
-                         f"(RouteMetrics.packed's layout for {num_experts} experts); got {metric_sums.dtype} "
-                         f"{tuple(metric_sums.shape)} on {metric_sums.device}")
+
+def _sink_pointers(sinks, unused: torch.Tensor) -> tuple:
+    """(running sums, guard sums, peak demand) for the launch; `unused` where a sink is absent (its
+    flag is off, so the kernel never touches it)."""
+    if sinks is None:
+        return unused, unused, unused
+    return tuple(unused if sink is None else sink for sink in (sinks.running, sinks.overflow, sinks.peak_demand))

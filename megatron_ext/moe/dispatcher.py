@@ -71,9 +71,9 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         self.payload = None  # MXFP8 payload between token_dispatch and dispatch_postprocess
         self.arena_layer = None  # moe/arena.ArenaLayer with dropless_arena (set by attach_arenas)
         self.arena_rows = None  # this forward's rows in the arena, from token_dispatch to dispatch_postprocess
-        # The layer's running route-metric sums (int64 [2E + 4]), handed for one training forward: the
-        # route consumes them, so a recomputed forward (Megatron's --recompute-modules moe) adds nothing.
-        self.metric_sums = None
+        # Where the layer wants this forward's route metrics (moe/metric_sinks.MetricSinks), handed for
+        # one forward: the route consumes them, so a recomputed forward (--recompute-modules moe) adds nothing.
+        self.metric_sinks = None
         self.cudagraph_attrs = ["route_map", "top_idx"]
 
     @property
@@ -138,7 +138,7 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
-        metric_sums, self.metric_sums = self.metric_sums, None
+        sinks, self.metric_sinks = self.metric_sinks, None
         gather_counts = getattr(self.transport, "gather_counts", None)
         probs = self._keep_dispatch_backward(hidden, probs)
         # With the arena the plan's capacities come from the microbatch's cursor, which the plan moves.
@@ -147,15 +147,15 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         if self.selection is not None:  # the fused kernel reads and moves the cursor in its launch
             self.route_map = fused_routes.route(self.selection, self.topk, self.capacity, group, gather_counts,
                                                 need_row_source=getattr(self.transport, "reads_row_source", True),
-                                                arena=cursor, metric_sums=metric_sums)
+                                                arena=cursor, sinks=sinks)
             self.selection = None
         else:
             self.route_map = route(self.top_idx, self.num_experts, self.capacity, group, gather_counts=gather_counts,
                                    probs=probs, dest_capacity=None if cursor is None else cursor.capacities())
             if cursor is not None:
                 cursor.advance(self.route_map.metrics.kept_per_expert)
-            if metric_sums is not None:  # the fused launch adds them itself
-                metric_sums.add_(self.route_map.metrics.packed)
+            if sinks is not None:  # the fused launch adds them itself
+                sinks.add(self.route_map.metrics, self.ep_size)
         if cursor is not None:
             self.arena_rows = self.arena_layer.rows(cursor)
         if self.ext_config.debug_checks:  # host reads: debug only

@@ -55,18 +55,18 @@ def select(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
 
 def route(selection: Selection, topk: int, capacity: int, group=None, gather_counts=None,
           ep_rank: int | None = None, need_row_source: bool = True,
-          dest_capacity: torch.Tensor | None = None, arena=None, metric_sums: torch.Tensor | None = None) -> RouteMap:
+          dest_capacity: torch.Tensor | None = None, arena=None, sinks=None) -> RouteMap:
     """Exchange the counts over the EP group, then plan and place (moe/route_map.route's contract,
     `dest_capacity` included). `arena` (moe/arena.ArenaCursor): the per-destination capacities
     come from the dropless arena's cursor, and the same launch moves it (what ArenaCursor's
-    `capacities` and `advance` do around the torch form). `metric_sums` (int64 [2E + 4]): the
-    launch also adds the route metrics into it (the layer's running sums)."""
+    `capacities` and `advance` do around the torch form). `sinks` (moe/metric_sinks.MetricSinks):
+    the launch also adds the route metrics into them."""
     from megatron_ext.kernels.route_plan import plan_and_place
 
     requested_all, ep_rank = exchange_counts(selection.counts, group, gather_counts, ep_rank)
     check_plan(requested_all.shape[0], selection.routing_map.shape[1], capacity)
     out = plan_and_place(selection.routing_map, selection.block_hist, selection.nonfinite, requested_all, topk,
-                         capacity, ep_rank, dest_capacity, arena, metric_sums)
+                         capacity, ep_rank, dest_capacity, arena, sinks)
     row_source = rows_by_source(out["mine"], capacity) if need_row_source else None
     metrics = RouteMetrics(out["packed"], out["buffer_fill"])
     return RouteMap(out["dest_rank"], out["dest_row"], out["recv_counts"], out["recv_offsets"], row_source, metrics)

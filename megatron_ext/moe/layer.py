@@ -18,6 +18,7 @@ from megatron_ext.host_affinity import host_core, pin_submitting_threads
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
+from megatron_ext.moe.metric_sinks import MetricSinks
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
 from megatron_ext.rules import (MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings, changed_after_build, expert_problems,
@@ -69,8 +70,9 @@ class RowwiseMoELayer(MoELayer):
         self.token_dispatcher = RowwiseTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config, ext_config,
             pg_collection=pg_collection)
-        self._metrics = None  # running route-metric sums, int64 [2E + 5] (_running_sums)
+        self._metrics = None  # running route-metric sums, int64 [2E + 5] (_metric_sinks)
         self._first_routes = None  # this rank's routes in the first training forward
+        self._sinks: dict[bool, MetricSinks] = {}  # _metric_sinks, per self.training
         self._overflow = OverflowGuard() if ext_config.overflow_policy == "error" else None
         self._host_core = host_core() if ext_config.pin_host_threads else None
         self._graph_runner = None
@@ -89,25 +91,35 @@ class RowwiseMoELayer(MoELayer):
         return self.eager_forward(hidden_states, intermediate_tensors, padding_mask)
 
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        self.token_dispatcher.metric_sums = self._running_sums(hidden_states.device) if self.training else None
+        self.token_dispatcher.metric_sinks = self._metric_sinks(hidden_states.device)
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if self._host_core is not None:
             pin_submitting_threads(output[0], self._host_core)
-        if self._overflow is not None:  # training and evaluation alike: no route dropped silently
-            self._overflow.record(self.token_dispatcher.route_map.metrics, self.token_dispatcher.ep_size)
         if self.training:
             self._count_routes_beyond_first()
         return output
 
-    def _running_sums(self, device: torch.device) -> torch.Tensor:
-        """The running device-side sums of the route metrics (RouteMetrics.packed's layout), which the
-        dispatcher's route launch adds into in place, so CUDA graphs keep updating the same tensor and
-        no add runs of its own: no host read until `read_metrics`. One int64 vector with one more
-        entry at the end (_count_routes_beyond_first)."""
-        if self._metrics is None:
-            self._metrics = torch.zeros(2 * self.config.num_moe_experts + 5, dtype=torch.int64, device=device)
-            self._metric_sums, self._routes_beyond = self._metrics[:-1], self._metrics[-1:]
-        return self._metric_sums
+    def _metric_sinks(self, device: torch.device) -> MetricSinks | None:
+        """Where this forward's route metrics go (the dispatcher's route adds them in place, so CUDA
+        graphs keep updating the same tensors; no host read until `read_metrics` or `check_overflow`):
+        while training, the running sums (RouteMetrics.packed's layout, in one int64 vector with one
+        more entry at the end: _count_routes_beyond_first); under on_overflow='error' the overflow
+        guard's counters, training and evaluation alike (no route dropped silently). Built once per
+        mode: the tensors are reset in place."""
+        sinks = self._sinks.get(self.training)
+        if sinks is None and (self.training or self._overflow is not None):
+            running = None
+            if self.training:
+                if self._metrics is None:
+                    self._metrics = torch.zeros(2 * self.config.num_moe_experts + 5, dtype=torch.int64, device=device)
+                    self._routes_beyond = self._metrics[-1:]
+                running = self._metrics[:-1]
+            guard = self._overflow
+            if guard is not None:
+                guard.ensure(self.config.num_moe_experts, self.token_dispatcher.ep_size, device)
+            sinks = self._sinks[self.training] = MetricSinks(running, guard.sums if guard else None,
+                                                             guard.peak_demand if guard else None)
+        return sinks
 
     def _count_routes_beyond_first(self) -> None:
         """`read_metrics` counts this rank's routes as the first training forward's per forward; a

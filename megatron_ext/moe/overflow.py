@@ -27,21 +27,18 @@ class CapacityExceeded(RuntimeError):
 class OverflowGuard:
     """Device-side counters of one layer: the route metrics summed over forwards (overflow = routes
     requested - routes kept, the same on every rank; forwards) and the most rows each rank was
-    asked for. Two in-place updates per forward; the arithmetic waits for `check`."""
+    asked for. The route launch adds into them (moe/metric_sinks.MetricSinks); the arithmetic waits
+    for `check`."""
 
     def __init__(self):
         self.sums: torch.Tensor | None = None  # RouteMetrics.packed summed, int64
         self.peak_demand: torch.Tensor | None = None  # [EP] int64, the most rows each rank was asked for
 
-    @torch.no_grad()
-    def record(self, metrics, ep_size: int) -> None:
-        packed = metrics.packed
-        demand = metrics.requested_per_expert.view(ep_size, -1).sum(1)  # rows each rank was asked for
+    def ensure(self, num_experts: int, ep_size: int, device) -> None:
+        """The counters, zeroed, at the layer's first forward."""
         if self.sums is None:
-            self.sums = torch.zeros(packed.shape, dtype=torch.int64, device=packed.device)
-            self.peak_demand = torch.zeros(ep_size, dtype=torch.int64, device=packed.device)
-        self.sums.add_(packed)
-        torch.maximum(self.peak_demand, demand, out=self.peak_demand)
+            self.sums = torch.zeros(2 * num_experts + 4, dtype=torch.int64, device=device)
+            self.peak_demand = torch.zeros(ep_size, dtype=torch.int64, device=device)
 
     def check(self, where: str, capacity: int, rows_at_cf_1: int, capacity_factor: float,
               arena_view: tuple[int, str] | None = None) -> None:

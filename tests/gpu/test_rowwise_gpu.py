@@ -235,11 +235,20 @@ def test_fused_route_map_equals_torch_route_map(experts, topk):
             assert torch.equal(getattr(want.metrics, name), getattr(got.metrics, name)), f"{case}: {name} differs"
         # torch divides by a host scalar as a multiply by its reciprocal on GPUs: equal within an ulp
         torch.testing.assert_close(got.metrics.buffer_fill, want.metrics.buffer_fill, rtol=1e-6, atol=0)
-        # The launch adds the metrics into running sums once per call (program 0, whatever the layout's threads)
-        sums = torch.full((2 * experts + 4,), 5, dtype=torch.int64, device="cuda")
+        # The launch adds the metrics into the layer's sinks once per call (program 0, whatever the
+        # layout's threads), as MetricSinks.add does in torch
+        from megatron_ext.moe.metric_sinks import MetricSinks
+
+        fused_sinks, torch_sinks = (MetricSinks(torch.full((2 * experts + 4,), 5, dtype=torch.int64, device="cuda"),
+                                                torch.zeros(2 * experts + 4, dtype=torch.int64, device="cuda"),
+                                                torch.full((1,), 7, dtype=torch.int64, device="cuda"))
+                                    for _ in range(2))
         for _ in range(3):
-            fused_routes.route(selection, topk, capacity, metric_sums=sums)
-        assert torch.equal(sums, 5 + 3 * want.metrics.packed.long()), f"{case}: running sums differ"
+            fused_routes.route(selection, topk, capacity, sinks=fused_sinks)
+            torch_sinks.add(want.metrics, 1)
+        assert torch.equal(torch_sinks.running, 5 + 3 * want.metrics.packed.long()), "the torch form's sums"
+        for name in ("running", "overflow", "peak_demand"):
+            assert torch.equal(getattr(fused_sinks, name), getattr(torch_sinks, name)), f"{case}: sink {name} differs"
 
 
 def test_mxfp8_dispatch_on_gpu(weights):

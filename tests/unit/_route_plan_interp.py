@@ -38,6 +38,7 @@ def others_counts(counts, world, rank, seed):
 def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed, per_dest=False) -> None:
     from megatron_ext.moe import fused_routes
     from megatron_ext.moe.dispatcher import routing_map_to_topk
+    from megatron_ext.moe.metric_sinks import MetricSinks
     from megatron_ext.moe.route_map import count_routes, route
 
     routing_map, probs = routing(num_tokens, num_experts, topk, skew, seed)
@@ -65,13 +66,22 @@ def check_case(num_tokens, num_experts, topk, world, rank, capacity, skew, seed,
         a, b = getattr(got.metrics, name), getattr(want.metrics, name)
         assert torch.equal(a.double(), b.double()), f"{case}: metric {name} differs: {a} vs {b}"
     assert torch.equal(got.metrics.packed, want.metrics.packed), f"{case}: packed metrics differ"
-    # The launch adds the metrics into a layer's running sums: two forwards on top of what was there.
-    sums = torch.arange(2 * num_experts + 4, dtype=torch.int64) * 3
-    start = sums.clone()
-    for _ in range(2):
-        fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank, dest_capacity=dest_capacity,
-                           metric_sums=sums)
-    assert torch.equal(sums, start + 2 * want.metrics.packed.long()), f"{case}: sums {sums} vs {start} + 2 x packed"
+    # The launch adds the metrics into the layer's sinks as MetricSinks.add does: two forwards on top
+    # of what was there, the running sums alone and with the overflow guard's counters.
+    for guard in (False, True):
+        sums = [torch.arange(2 * num_experts + 4, dtype=torch.int64) * 3 for _ in range(2)]
+        peaks = [torch.arange(world, dtype=torch.int64) * 5 for _ in range(2)]
+        fused_sinks, torch_sinks = (MetricSinks(s, s + 1 if guard else None, p if guard else None)
+                                    for s, p in zip(sums, peaks))
+        for _ in range(2):
+            fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank,
+                               dest_capacity=dest_capacity, sinks=fused_sinks)
+            torch_sinks.add(want.metrics, world)
+        for name in ("running", "overflow", "peak_demand"):
+            a, b = getattr(fused_sinks, name), getattr(torch_sinks, name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{case}: sink {name} {a} vs {b}"
+        if guard:  # the made-up loads of other ranks exceed the starting peaks: the max must have moved
+            assert not torch.equal(peaks[1], torch.arange(world) * 5), f"{case}: the peak demand did not move"
     grad = torch.randn(num_tokens, topk, generator=torch.Generator().manual_seed(seed + 2))
     (want_probs * grad).sum().backward()
     (got_probs * grad).sum().backward()

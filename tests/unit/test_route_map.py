@@ -377,12 +377,30 @@ def test_overflow_check_names_the_busiest_load_since_the_last_check():
         packed = rm.pack_metrics(torch.tensor(requested), torch.tensor(kept), zero, zero, zero)
         return rm.RouteMetrics(packed, buffer_fill=torch.zeros(()))
 
+    from megatron_ext.moe.metric_sinks import MetricSinks
+
     guard = OverflowGuard()  # two EP ranks of two experts each, 16 rows per rank, T * K = 16
-    guard.record(metrics([30, 30, 1, 1], [8, 8, 1, 1]), ep_size=2)  # rank 0 asked for 60 rows
+    guard.ensure(num_experts=4, ep_size=2, device=torch.device("cpu"))
+    sinks = MetricSinks(overflow=guard.sums, peak_demand=guard.peak_demand)  # what the layer hands the route
+    sinks.add(metrics([30, 30, 1, 1], [8, 8, 1, 1]), ep_size=2)  # rank 0 asked for 60 rows
     with pytest.raises(CapacityExceeded, match="44 route.s. overflowed in the last 1 forward.s. .the busiest rank "
                                                "was asked for 60 rows"):
         guard.check("layer 1", 16, 16, 1.0)
-    guard.record(metrics([10, 10, 1, 1], [8, 8, 1, 1]), ep_size=2)  # 20 rows
+    sinks.add(metrics([10, 10, 1, 1], [8, 8, 1, 1]), ep_size=2)  # 20 rows
     with pytest.raises(CapacityExceeded, match=r"4 route.s. overflowed in the last 1 forward.s. .the busiest rank "
                                                r"was asked for 20 rows.*needs >= 1\.25"):
         guard.check("layer 1", 16, 16, 1.0)
+
+
+def test_metric_sinks_refuse_counters_the_route_launch_would_write_out_of_bounds():
+    from megatron_ext.moe.metric_sinks import MetricSinks
+
+    cpu = torch.device("cpu")
+    good = torch.zeros(12, dtype=torch.int64)  # 2E + 4 for E = 4
+    MetricSinks(running=good, overflow=good.clone(), peak_demand=torch.zeros(2, dtype=torch.int64)).check(4, 2, cpu)
+    with pytest.raises(ValueError, match=r"MetricSinks.running must be a contiguous int64 tensor of shape \(12,\)"):
+        MetricSinks(running=good.int()).check(4, 2, cpu)
+    with pytest.raises(ValueError, match=r"MetricSinks.peak_demand .* shape \(2,\)"):
+        MetricSinks(overflow=good, peak_demand=torch.zeros(3, dtype=torch.int64)).check(4, 2, cpu)
+    with pytest.raises(ValueError, match="go together"):
+        MetricSinks(overflow=good).check(4, 2, cpu)
