@@ -18,7 +18,7 @@ from megatron_ext.host_affinity import host_core, pin_submitting_threads
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
-from megatron_ext.moe.metric_sinks import MetricSinks
+from megatron_ext.moe.metric_sinks import MetricSinks, recomputing
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
 from megatron_ext.rules import (MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings, changed_after_build, expert_problems,
@@ -91,11 +91,12 @@ class RowwiseMoELayer(MoELayer):
         return self.eager_forward(hidden_states, intermediate_tensors, padding_mask)
 
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        self.token_dispatcher.metric_sinks = self._metric_sinks(hidden_states.device)
+        counted = not recomputing()  # Megatron's full-layer recompute runs this forward again
+        self.token_dispatcher.metric_sinks = self._metric_sinks(hidden_states.device) if counted else None
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if self._host_core is not None:
             pin_submitting_threads(output[0], self._host_core)
-        if self.training:
+        if self.training and counted:
             self._count_routes_beyond_first()
         return output
 

@@ -5,6 +5,10 @@ its OverflowGuard keeps its own (reset at each check) with the most rows each ra
 for. The fused route launch adds into them itself (kernels/route_plan.py): cost removed, up to
 four small launches per layer step (the sums' adds, the per-rank demand and its running max),
 ~50 us of host time each inside the step. The torch form of the route map calls `add`.
+
+A forward run inside the backward is an activation recompute (Megatron's full-layer or `moe`
+recompute, reentrant or not): its routes were counted by the forward it repeats, so it adds
+nothing (`recomputing`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def recomputing() -> bool:
+    """True while autograd runs a backward on this thread: a forward there recomputes one whose
+    metrics were already added. Torch internal (torch.utils.checkpoint reads it the same way):
+    `torch._C._current_graph_task_id`, -1 outside a backward; checked by
+    tests/unit/test_metric_sinks.py, torch 2.11-2.13."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass(frozen=True)

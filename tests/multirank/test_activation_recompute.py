@@ -1,11 +1,13 @@
 """Megatron's activation recompute with the grouped experts and the rowwise layer (gloo ranks, torch
 transport): `--recompute-modules moe_act` keeps no activation for the backward and gives the same
 outputs and gradients bitwise; Megatron's whole-MoE-layer recompute (`moe`) runs the rowwise layer
-twice and gives the same results; the experts refuse activation offloading by name.
+twice and gives the same results, as do whole-layer checkpoints (full recompute), counting each
+forward's routes once; the experts refuse activation offloading by name.
 """
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
@@ -74,32 +76,49 @@ def test_moe_act_recompute_keeps_no_activation_and_changes_nothing(name, hidden,
     assert bytes_freed >= ROWS * width * 4, (bytes_freed, ROWS * width * 4)
 
 
-def _layer_rank(rank, world, recompute_modules, ext):
+def _full_layer_recompute(layer, tokens, how):
+    """The layer under a whole-layer checkpoint: Megatron's (what --recompute-granularity full wraps
+    each transformer layer in; reentrant) or torch's non-reentrant one."""
+    if how == "full":
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.checkpoint(lambda t: layer(t)[0], False, tokens)
+    return torch.utils.checkpoint.checkpoint(lambda t: layer(t)[0], tokens, use_reentrant=False)
+
+
+def _layer_rank(rank, world, recompute, ext):
     x, g = rank_tokens(rank, 16, 32)
-    results = []
-    for recompute in (None, recompute_modules):
-        extra = dict(recompute_granularity="selective", recompute_modules=recompute, moe_grouped_gemm=True) \
-            if recompute else {}
+    results, all_metrics = [], []
+    for how in (None, recompute):
+        modules = recompute if isinstance(recompute, list) and how else None
+        extra = dict(recompute_granularity="selective", recompute_modules=modules, moe_grouped_gemm=True) \
+            if modules else {}
         layer = moe_builder(MoEExtConfig(transport="torch", dropless=True, **ext))(
             config=moe_config(hidden=32, ffn=16, experts=8, topk=2, ep=world, **extra))
         load_weights(layer, MoEWeights.random(8, 32, 16, seed=8))
         layer.train()
-        assert layer.experts.recompute_activation == (recompute == ["moe_act"])
-        assert layer.moe_layer_recompute == (recompute == ["moe"])  # Megatron checkpoints the whole layer
+        assert layer.experts.recompute_activation == (modules == ["moe_act"])
+        assert layer.moe_layer_recompute == (modules == ["moe"])  # Megatron checkpoints the whole layer
         tokens = x.clone().view(16, 1, 32).requires_grad_(True)
-        out, _ = layer(tokens)
+        out = layer(tokens)[0] if modules or how is None else _full_layer_recompute(layer, tokens, how)
         out.backward(g.view_as(out))
         results.append([out.detach(), tokens.grad, layer.experts.fc1_weight.grad, layer.experts.fc2_weight.grad,
                         layer.router.weight.grad])
         metrics = layer.read_metrics()
-        assert metrics["steps"] == 1, f"recompute={recompute}: {metrics['steps']} forwards counted"
+        assert metrics["steps"] == 1, f"recompute={how}: {metrics['steps']} forwards counted"
+        all_metrics.append(metrics)
+    assert all_metrics[0] == all_metrics[1], "the recompute changed the route metrics"
     return all(torch.equal(a, b) for a, b in zip(*results))
 
 
-@pytest.mark.parametrize("modules,ext", [(["moe_act"], {}), (["moe"], {}),
-                                         (["moe_act"], dict(mxfp8_dispatch=True))])  # MXFP8: the payload path
-def test_rowwise_layer_under_megatrons_recompute_equals_no_recompute(modules, ext):
-    assert all(run_on_ranks(_layer_rank, 2, modules, ext, sizes=ParallelSizes(ep=2)))
+@pytest.mark.parametrize("recompute,ext", [(["moe_act"], {}), (["moe"], {}),
+                                           (["moe_act"], dict(mxfp8_dispatch=True)),  # MXFP8: the payload path
+                                           ("full", {}), ("full_nonreentrant", {})])
+def test_rowwise_layer_under_megatrons_recompute_equals_no_recompute(recompute, ext):
+    """Selective recompute (`moe_act`, `moe`) and whole-layer checkpoints (Megatron's full recompute,
+    torch's non-reentrant checkpoint): the same outputs, gradients and route metrics as no recompute,
+    each forward's routes counted once (the recompute's forward adds nothing)."""
+    assert all(run_on_ranks(_layer_rank, 2, recompute, ext, sizes=ParallelSizes(ep=2)))
 
 
 def test_activation_offloading_is_refused_with_the_flag_to_use_instead():
