@@ -96,6 +96,7 @@ def check_arena_case(num_tokens, num_experts, topk, world, rank, skew, seed, spi
     from megatron_ext.moe import fused_routes
     from megatron_ext.moe.arena import ArenaCursor
     from megatron_ext.moe.dispatcher import routing_map_to_topk
+    from megatron_ext.moe.metric_sinks import MetricSinks
     from megatron_ext.moe.route_map import count_routes, route
 
     routing_map, probs = routing(num_tokens, num_experts, topk, skew, seed)
@@ -114,13 +115,22 @@ def check_arena_case(num_tokens, num_experts, topk, world, rank, skew, seed, spi
     want = route(top_idx, num_experts, capacity, gather_counts=gather, ep_rank=rank,
                  dest_capacity=torch_form.capacities())
     torch_form.advance(want.metrics.kept_per_expert)
+    # the arena runs under the overflow guard: the launch adds into its counters too
+    sums, peaks = torch.arange(2 * num_experts + 4, dtype=torch.int64) * 3, torch.arange(world, dtype=torch.int64) * 5
+    fused_sinks = MetricSinks(sums.clone(), sums + 1, peaks.clone())
+    torch_sinks = MetricSinks(sums.clone(), sums + 1, peaks.clone())
+    torch_sinks.add(want.metrics, world)
     _, _, selection = fused_routes.select(routing_map, probs.detach(), topk)
-    got = fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank, arena=fused)
+    got = fused_routes.route(selection, topk, capacity, gather_counts=gather, ep_rank=rank, arena=fused,
+                             sinks=fused_sinks)
     case = f"arena T={num_tokens} E={num_experts} K={topk} M={world} rank={rank} skew={skew} spills={spills}"
     for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets"):
         a, b = getattr(got, name), getattr(want, name)
         assert torch.equal(a.long(), b.long()), f"{case}: {name} differs:\n{a}\n{b}"
     assert torch.equal(got.metrics.packed, want.metrics.packed), f"{case}: packed metrics differ"
+    for name in ("running", "overflow", "peak_demand"):
+        a, b = getattr(fused_sinks, name), getattr(torch_sinks, name)
+        assert torch.equal(a, b), f"{case}: sink {name} {a} vs {b}"
     assert torch.equal(fused.before, before), f"{case}: the cursor before the layer was written"
     assert torch.equal(fused.after, torch_form.after), f"{case}: cursor after {fused.after} vs {torch_form.after}"
     assert torch.equal(fused.start, torch_form.start), f"{case}: start {fused.start} vs {torch_form.start}"
