@@ -5,11 +5,13 @@ Python submission time per iteration, no synchronization inside the timed region
 without CUDA both fall back to wall time so the CPU-capable tools can be smoke-run there.
 `interleaved_ms`: host or device time of several steps in turns (an A/B that drift cannot bias);
 `peak_memory`: the highest allocation during one call; `make_step`: the forward+backward a
-layer benchmark times.
+layer benchmark times. Memory readings hold Python's cycle collector off (`collector_held_off`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
 from typing import Callable
@@ -103,28 +105,45 @@ def ratio_text(result: dict, name: str, base: str) -> str:
     return f"x{figures['ratio']:.3f} ({figures['min']:.3f}..{figures['max']:.3f})"
 
 
+@contextlib.contextmanager
+def collector_held_off():
+    """Python's cycle collector run first, then held off: a dead layer (modules hold reference
+    cycles) freed in the middle of a memory reading would count against the measured one (a GPU
+    test saw 800 MB appear that way after other tests' layers)."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def peak_memory(fn: Callable[[], object]) -> dict | None:
     """Peak device memory of one call of `fn`: absolute, and above what was allocated before
     the call (activations and workspaces). None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    with collector_held_off():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
     return {"peak_bytes": peak, "peak_above_baseline_bytes": peak - before}
 
 
 def held_after(fn: Callable[[], object]) -> tuple[object, int]:
     """(fn(), device bytes allocated from before the call to after it): what its result holds,
     e.g. a forward's output with the autograd graph and everything saved for the backward."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    result = fn()
-    torch.cuda.synchronize()
-    return result, torch.cuda.memory_allocated() - before
+    with collector_held_off():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, torch.cuda.memory_allocated() - before
 
 
 def held_for_backward(layer, x, grad_out) -> int:
@@ -138,20 +157,21 @@ def held_for_backward(layer, x, grad_out) -> int:
     for p in params:
         p.grad = None
     x = x.clone().requires_grad_(True)
-    # Read after the sync, not before: on the H200 a read ahead of it counted differently (the
-    # recompute GPU test failed with it there; why was not pinned down).
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out, _ = layer(x)
-    torch.cuda.synchronize()
-    alive = torch.cuda.memory_allocated() - before
-    out.backward(grad_out)
-    del out
-    x.grad = None
-    for p, grad in zip(params, callers_grads):
-        p.grad = grad
-    torch.cuda.synchronize()
-    return alive - (torch.cuda.memory_allocated() - before)
+    with collector_held_off():
+        # Read after the sync, not before: on the H200 a read ahead of it counted differently (the
+        # recompute GPU test failed with it there; likely the collector, held off since).
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out, _ = layer(x)
+        torch.cuda.synchronize()
+        alive = torch.cuda.memory_allocated() - before
+        out.backward(grad_out)
+        del out
+        x.grad = None
+        for p, grad in zip(params, callers_grads):
+            p.grad = grad
+        torch.cuda.synchronize()
+        return alive - (torch.cuda.memory_allocated() - before)
 
 
 GRADS = ("param", "ddp")  # how make_step receives the parameters' gradients
