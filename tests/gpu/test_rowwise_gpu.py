@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.host_sync import capture_replay, profiled_sync_calls
@@ -249,6 +250,45 @@ def test_fused_route_map_equals_torch_route_map(experts, topk):
         assert torch.equal(torch_sinks.running, 5 + 3 * want.metrics.packed.long()), "the torch form's sums"
         for name in ("running", "overflow", "peak_demand"):
             assert torch.equal(getattr(fused_sinks, name), getattr(torch_sinks, name)), f"{case}: sink {name} differs"
+
+
+@pytest.mark.parametrize("route_path", ROUTE_PATHS)
+def test_overflow_guard_counts_every_forward_once_on_each_route_path(weights, route_path):
+    """Bounded dropless (on_overflow='error') through the layer: the route launch's adds (fused
+    paths) and MetricSinks.add (the torch route map) count each training and evaluation forward
+    once, a recomputed forward not at all; the check raises with the oracle's numbers, then resets."""
+    import re
+
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    overrides, ext = ROUTE_PATHS[route_path]
+    config = moe_config(**SHAPE, dtype=torch.bfloat16, use_cpu_initialization=False, moe_router_dtype="fp32",
+                        **overrides)
+    layer = moe_builder(MoEExtConfig(transport="symm", capacity_factor=0.5, on_overflow="error", **ext))(
+        config=config).cuda()
+    load_weights(layer, weights)
+    x, g = inputs(11)
+    run_step(layer, x, g)
+    checkpointed = torch.utils.checkpoint.checkpoint(lambda t: layer(t)[0], x.clone().requires_grad_(True),
+                                                     use_reentrant=True)  # Megatron's full recompute
+    checkpointed.backward(g)
+    layer.eval()
+    with torch.no_grad():
+        layer(x)
+    layer.train()
+    trained = layer.read_metrics()  # the two training forwards (the recompute adds nothing)
+    assert trained["steps"] == 2 and trained["dropped_routes"] > 0, trained
+    routes = TOKENS * SHAPE["topk"]
+    with pytest.raises(CapacityExceeded) as raised:
+        layer.check_overflow()
+    numbers = re.search(r"(\d+) route\(s\) overflowed in the last (\d+) forward\(s\) \(the busiest rank was "
+                        r"asked for (\d+) rows\)", str(raised.value))
+    assert numbers, str(raised.value)
+    overflowed, forwards, peak = map(int, numbers.groups())
+    # three forwards of the same tokens (EP=1: this rank is asked for every route of each)
+    assert (forwards, peak) == (3, routes), (forwards, peak)
+    assert overflowed == 3 * trained["dropped_routes"] // 2, (overflowed, trained["dropped_routes"])
+    layer.check_overflow()  # the counters were reset: nothing since
 
 
 def test_mxfp8_dispatch_on_gpu(weights):
