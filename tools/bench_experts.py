@@ -135,9 +135,10 @@ def set_random_biases(sequential, grouped, shape: Shape, seed: int = 2) -> None:
     gen = torch.Generator(device=device()).manual_seed(seed)
     grouped.fc1_bias.copy_(torch.randn(grouped.fc1_bias.shape, device=device(), generator=gen) * 0.1)
     grouped.fc2_bias.copy_(torch.randn(grouped.fc2_bias.shape, device=device(), generator=gen) * 0.1)
+    fc1_bias, fc2_bias = grouped.stacked_biases()  # [L, rows] views of the flat parameters
     for i, expert in enumerate(sequential.local_experts):
-        expert.linear_fc1.bias.copy_(grouped.fc1_bias[i])
-        expert.linear_fc2.bias.copy_(grouped.fc2_bias[i])
+        expert.linear_fc1.bias.copy_(fc1_bias[i])
+        expert.linear_fc2.bias.copy_(fc2_bias[i])
 
 
 def build_sequential(shape: Shape, config, fc1: torch.Tensor, fc2: torch.Tensor):

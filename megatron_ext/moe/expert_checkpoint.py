@@ -29,6 +29,8 @@ def sharded_state_dict(module, prefix: str = "", sharded_offsets=()):
     for local_name, linear, kind in PARAMETERS:
         tensor = getattr(module, local_name)
         if tensor is not None:
+            if tensor.dim() == 1:  # a flat bias, saved as [L, rows] like SequentialMLP's stacked
+                tensor = tensor.view(module.num_local_experts, -1)
             result[f"{prefix}{local_name}"] = ShardedTensor.from_rank_offsets(
                 f"{prefix}experts.{linear}.{kind}", tensor, *sharded_offsets,
                 expert_axis, replica_id=replica_id, prepend_axis_num=len(sharded_offsets))
@@ -50,7 +52,8 @@ _SEQUENTIAL_KEY = re.compile(
 
 def load_sequential_mlp_layout(module, state_dict, prefix, *args, **kwargs):
     """Load-state-dict pre-hook: accept a plain (torch-format) SequentialMLP state dict by
-    stacking its local_experts.i tensors."""
+    stacking its local_experts.i tensors, and biases stacked [L, rows] (SequentialMLP's, a
+    distributed checkpoint's, this module's before its biases were stored flat) as the flat ones."""
     found: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for key in [k for k in state_dict if k.startswith(prefix)]:
         match = _SEQUENTIAL_KEY.match(key[len(prefix):])
@@ -63,3 +66,7 @@ def load_sequential_mlp_layout(module, state_dict, prefix, *args, **kwargs):
             raise ValueError(f"SequentialMLP checkpoint has experts {sorted(tensors)} for linear_fc{fc}.{kind}; "
                              f"this module holds {module.num_local_experts} local experts")
         state_dict[f"{prefix}fc{fc}_{kind}"] = torch.stack([tensors[i] for i in range(module.num_local_experts)])
+    for name in ("fc1_bias", "fc2_bias"):
+        bias = state_dict.get(f"{prefix}{name}")
+        if isinstance(bias, torch.Tensor) and bias.dim() == 2:
+            state_dict[f"{prefix}{name}"] = bias.reshape(-1)

@@ -18,8 +18,11 @@ SequentialMLP's; `moe_apply_probs_on_input`; bf16, fp16 and fp32; any hidden and
 original three kernels and nothing else.
 
 Weights use Megatron's per-expert nn.Linear layout, stacked: fc1 [L, gF, H] (gated: gate rows
-then up rows, g = 2), fc2 [L, H, F], biases [L, gF] and [L, H]. The GEMMs take transposed views
-(free), and checkpoints interchange with SequentialMLP / TEGroupedMLP (moe/expert_checkpoint.py).
+then up rows, g = 2), fc2 [L, H, F]. Biases are stored flat, [L * gF] and [L * H], and used as
+[L, gF] / [L, H] views (`stacked_biases`): Megatron's optimizer picks biases by one dimension (no
+weight decay; Adam under Muon; no MuP matrix scaling), which a stacked 2-D bias would miss. The
+GEMMs take transposed views (free), and checkpoints interchange with SequentialMLP /
+TEGroupedMLP (moe/expert_checkpoint.py).
 Written against megatron-core 0.19.2.
 """
 
@@ -95,8 +98,9 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         fc1_rows, bias = self.activation.width_factor * ffn, config.add_bias_linear
         self.fc1_weight = parameter(num_local_experts, fc1_rows, hidden)
         self.fc2_weight = parameter(num_local_experts, hidden, ffn)
-        self.register_parameter("fc1_bias", parameter(num_local_experts, fc1_rows) if bias else None)
-        self.register_parameter("fc2_bias", parameter(num_local_experts, hidden) if bias else None)
+        # flat, one dimension: how Megatron's optimizer rules recognise a bias (module docstring)
+        self.register_parameter("fc1_bias", parameter(num_local_experts * fc1_rows) if bias else None)
+        self.register_parameter("fc2_bias", parameter(num_local_experts * hidden) if bias else None)
         self.padding = GemmPadding.needed(hidden, ffn, config.params_dtype, self.activation.gated)
         self.fast_path = self.activation.plain_swiglu and not bias and self.padding is None
         # Megatron's --recompute-granularity selective --recompute-modules moe_act
@@ -141,14 +145,17 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         sharded = self.ep_group.size() > 1 or (self.config.expert_tensor_parallel_size or 1) != (
             self.config.tensor_model_parallel_size)
         zero = torch.nn.init.zeros_  # Megatron always initializes linear biases to zero
-        for weight, init in ((self.fc1_weight, self.config.init_method), (self.fc1_bias, zero),
-                             (self.fc2_weight, self.config.output_layer_init_method), (self.fc2_bias, zero)):
-            if weight is None:
+        fc1_bias, fc2_bias = self.stacked_biases()
+        for param, weight, init in ((self.fc1_weight, self.fc1_weight, self.config.init_method),
+                                    (self.fc1_bias, fc1_bias, zero),
+                                    (self.fc2_weight, self.fc2_weight, self.config.output_layer_init_method),
+                                    (self.fc2_bias, fc2_bias, zero)):
+            if param is None:
                 continue
-            weight.allreduce = not sharded
-            weight.tensor_model_parallel = False
-            weight.partition_dim = -1
-            weight.partition_stride = 1
+            param.allreduce = not sharded
+            param.tensor_model_parallel = False
+            param.partition_dim = -1
+            param.partition_stride = 1
             if not self.config.perform_initialization:
                 continue
             tracker = get_cuda_rng_tracker()
@@ -158,6 +165,11 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
             with context:
                 for expert_weight in weight.data:
                     init(expert_weight)
+
+    def stacked_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The fc1 and fc2 biases as [L, gF] and [L, H] views of their flat parameters (None without biases)."""
+        return tuple(None if bias is None else bias.view(self.num_local_experts, -1)
+                     for bias in (self.fc1_bias, self.fc2_bias))
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert, permuted_probs=None, **unused_kwargs):
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -220,7 +232,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
 
     def _forward_any(self, hidden, offsets, probs, payload):
         """Every other variant: padding for odd sizes, biases, any activation (module docstring)."""
-        fc1, fc2, fc1_bias, fc2_bias = self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias
+        fc1, fc2, (fc1_bias, fc2_bias) = self.fc1_weight, self.fc2_weight, self.stacked_biases()
         if self.padding is not None:
             hidden, fc1, fc2, fc1_bias, fc2_bias = self.padding.pad(hidden, fc1, fc2, fc1_bias, fc2_bias)
         if payload is not None:

@@ -92,6 +92,8 @@ _GROUPED = {"fc1": "fc1_weight", "fc2": "fc2_weight", "fc1_bias": "fc1_bias", "f
 
 
 def _local_tensors(experts_module) -> dict[str, list[torch.Tensor] | torch.Tensor]:
+    """SequentialMLP: each name's per-expert parameters; the grouped experts: the parameters
+    themselves (the biases flat, `_stacked` shapes them)."""
     if hasattr(experts_module, "local_experts"):  # Megatron SequentialMLP
         found = {}
         for name, (linear, kind) in _SEQUENTIAL.items():
@@ -101,6 +103,11 @@ def _local_tensors(experts_module) -> dict[str, list[torch.Tensor] | torch.Tenso
         return found
     return {name: getattr(experts_module, attr) for name, attr in _GROUPED.items()
             if getattr(experts_module, attr) is not None}
+
+
+def _stacked(experts_module, tensor: torch.Tensor) -> torch.Tensor:
+    """A grouped experts' parameter (or its gradient) in ExpertParams' [L, ...] layout."""
+    return tensor.view(experts_module.num_local_experts, -1) if tensor.dim() == 1 else tensor
 
 
 @torch.no_grad()
@@ -114,13 +121,14 @@ def load_expert_params(experts_module, params: ExpertParams, first_expert: int =
             for i, tensor in enumerate(target):
                 tensor.copy_(source[name][first_expert + i])
         else:
-            target.copy_(source[name][first_expert:first_expert + target.shape[0]])
+            stacked = _stacked(experts_module, target)
+            stacked.copy_(source[name][first_expert:first_expert + stacked.shape[0]])
 
 
 def expert_params_of(experts_module) -> dict[str, torch.Tensor]:
     """The local experts' parameters, stacked in ExpertParams' layout."""
-    return {name: (torch.stack(target) if isinstance(target, list) else target).detach().clone()
-            for name, target in _local_tensors(experts_module).items()}
+    return {name: (torch.stack(target) if isinstance(target, list) else _stacked(experts_module, target))
+            .detach().clone() for name, target in _local_tensors(experts_module).items()}
 
 
 def expert_param_grads(experts_module) -> dict[str, torch.Tensor]:
@@ -128,8 +136,8 @@ def expert_param_grads(experts_module) -> dict[str, torch.Tensor]:
     grads = {}
     for name, target in _local_tensors(experts_module).items():
         tensors = target if isinstance(target, list) else [target]
-        stacked = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
-        grads[name] = torch.stack(stacked) if isinstance(target, list) else stacked[0]
+        found = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
+        grads[name] = torch.stack(found) if isinstance(target, list) else _stacked(experts_module, found[0])
     return {k: v.detach().clone() for k, v in grads.items()}
 
 

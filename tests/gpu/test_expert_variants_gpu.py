@@ -203,9 +203,7 @@ def _graph_capture(name, hidden, ffn):
     static_out = replay_with_new_inputs(module, (x, probs, grad_out, counts), second)
     valid = 3500
     replayed = (static_out[:valid].clone(), x.grad[:valid].clone(), probs.grad[:valid].clone())
-    replayed_grads = {k: p.grad.clone() for k, p in (("fc1", module.fc1_weight), ("fc2", module.fc2_weight),
-                                                      ("fc1_bias", module.fc1_bias), ("fc2_bias", module.fc2_bias))
-                      if p is not None}
+    replayed_grads = expert_param_grads(module)
     eager, eager_grads = _run(module, new_x, new_counts, new_probs, new_grad, valid=valid)
     for what, a, b in [*zip(("output", "input grad", "prob grad"), replayed, eager),
                        *((k, replayed_grads[k], eager_grads[k]) for k in eager_grads)]:

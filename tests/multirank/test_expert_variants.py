@@ -187,6 +187,12 @@ def _plain_state_dict_rank(rank, world):
         grouped.load_state_dict(reference.state_dict())
         x, counts, probs = torch.randn(6, width), torch.tensor([2, 4]), torch.rand(6)
         assert_close(grouped(x, counts, probs)[0], reference(x, counts, probs)[0], 1e-5, f"{name} torch-format load")
+        # this module's own state dicts from before its biases were stored flat ([L, rows])
+        stacked = {k: v.view(2, -1) if k.endswith("_bias") else v for k, v in grouped.state_dict().items()}
+        assert all(stacked[k].dim() == 2 for k in ("fc1_bias", "fc2_bias"))
+        earlier = DeviceOffsetGroupedMLP(2, config)
+        earlier.load_state_dict(stacked)
+        assert torch.equal(earlier(x, counts, probs)[0], grouped(x, counts, probs)[0]), f"{name} [L, rows] biases"
 
 
 def test_loads_plain_sequential_mlp_state_dicts_with_biases():
@@ -304,3 +310,48 @@ def _main_grad_rank(rank, world):
 def test_every_variant_adds_its_weight_gradients_to_main_grad():
     checked = run_on_ranks(_main_grad_rank, 1, sizes=ParallelSizes())[0]
     assert len(checked) >= 2 * len(variants()) + len(variants()) - 1, checked
+
+
+def _optimizer_rules_rank(rank, world):
+    """Megatron's optimizer rules (0.19.2: optimizer/__init__.py's standard and MuP overrides,
+    emerging_optimizers' routing of non-matrix parameters to Adam) give each grouped parameter
+    what they give the SequentialMLP parameters it stands for."""
+    from megatron.core.optimizer import OptimizerConfig, get_mup_config_overrides, get_standard_config_overrides
+    from megatron.core.optimizer.emerging_optimizers import _is_nonlinear_or_embedding
+
+    config = variant_config("gelu_bias", hidden=12, ffn=5, experts=2)
+    optimizer = OptimizerConfig(lr=1e-3, min_lr=1e-5, weight_decay=0.1)
+    rules = {**get_standard_config_overrides(optimizer), **get_mup_config_overrides(optimizer, 4.0)}
+
+    def treatment(module):
+        """name (ExpertParams' names) -> (the overrides that match it, routed to Adam under Muon)"""
+        found = {}
+        for param_name, param in module.named_parameters():
+            name = next(n for n, (linear, kind) in _GROUPED_NAMES.items()
+                        if param_name.endswith(f"{linear}.{kind}") or param_name == n)
+            matched = [dict(override) for key, override in rules.items() if key.matches(param, param_name)]
+            found.setdefault(name, set()).add((repr(matched), _is_nonlinear_or_embedding(param)))
+        return found
+
+    grouped = treatment(DeviceOffsetGroupedMLP(2, config))
+    sequential = treatment(sequential_mlp(2, config))
+    assert sorted(grouped) == sorted(sequential) == ["fc1_bias", "fc1_weight", "fc2_bias", "fc2_weight"]
+    for name in ("fc1_bias", "fc2_bias"):  # no weight decay, MuP's vector treatment, Adam under Muon
+        assert grouped[name] == sequential[name], (name, grouped[name], sequential[name])
+        (matched, to_adam), = grouped[name]
+        assert "'wd_mult': 0.0" in matched and to_adam, grouped[name]
+    for name in ("fc1_weight", "fc2_weight"):
+        (matched, to_adam), = grouped[name]
+        (want_matched, want_to_adam), = sequential[name]
+        assert matched == want_matched and "wd_mult" not in matched, (name, matched, want_matched)
+        # Muon and SOAP would train the stacked [L, out, in] weights with Adam: the launcher refuses them
+        assert to_adam and not want_to_adam, name
+    return True
+
+
+_GROUPED_NAMES = {"fc1_weight": ("linear_fc1", "weight"), "fc1_bias": ("linear_fc1", "bias"),
+                  "fc2_weight": ("linear_fc2", "weight"), "fc2_bias": ("linear_fc2", "bias")}
+
+
+def test_megatrons_optimizer_rules_treat_grouped_parameters_as_sequential_mlps():
+    assert run_on_ranks(_optimizer_rules_rank, 1, sizes=ParallelSizes())[0]
