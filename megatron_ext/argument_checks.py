@@ -16,7 +16,7 @@ import importlib.util
 from megatron_ext.arguments import FLAGS, MoEExtArgumentError, ext_config_from_args
 from megatron_ext.cuda_graphs.schedule import live_microbatches
 from megatron_ext.rules import (MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings, arena_args_problems, expert_problems,
-                                graph_runner_clash, moe_problems, rowwise_problems)
+                                graph_runner_clash, moe_problems, optimizer_problems, rowwise_problems)
 
 
 def _rowwise_conflicts(args) -> list[str]:
@@ -116,6 +116,7 @@ def _expert_conflicts(args) -> list[str]:
     norm check (megatron_ext.rules)."""
     settings = ExpertSettings.from_args(args)
     problems = [f"--num-experts {args.num_experts}: {problem}" for problem in moe_problems(settings)]
+    problems += optimizer_problems(args)
     if args.moe_ext_dispatcher == "rowwise":  # with megatron the layer builds Megatron's own experts instead
         problems += [f"--num-experts {args.num_experts} with megatron_ext's grouped experts (--moe-ext-dispatcher "
                      f"rowwise): {problem}; or use --moe-ext-dispatcher megatron (Megatron's own experts)"
