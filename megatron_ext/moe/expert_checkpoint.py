@@ -20,20 +20,36 @@ PARAMETERS = (("fc1_weight", "linear_fc1", "weight"), ("fc1_bias", "linear_fc1",
 
 
 def sharded_state_dict(module, prefix: str = "", sharded_offsets=()):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     ep_rank, ep_size = module.ep_group.rank(), module.ep_group.size()
     expert_axis = (len(sharded_offsets), ep_rank, ep_size)
     replica_id = (0, 0, module.expert_dp_group.rank())
+    experts = module.num_local_experts
+
+    def stacked_entry(key, tensor, replica_id, flattened_range=None):
+        if flattened_range is not None:
+            raise ValueError(f"{key}: a flattened optimizer state (the distributed optimizer's legacy "
+                             f"'fully_sharded_model_space' format) is not supported by the grouped experts; use "
+                             f"Megatron's default dp_reshardable or fully_reshardable format")
+        if tensor.dim() == 1:  # a flat bias (or its optimizer state), saved as SequentialMLP's stacked [L, rows]
+            tensor = tensor.view(experts, -1)
+        return ShardedTensor.from_rank_offsets(key, tensor, *sharded_offsets, expert_axis, replica_id=replica_id,
+                                               prepend_axis_num=len(sharded_offsets))
+
     result = {}
     for local_name, linear, kind in PARAMETERS:
         tensor = getattr(module, local_name)
-        if tensor is not None:
-            if tensor.dim() == 1:  # a flat bias, saved as [L, rows] like SequentialMLP's stacked
-                tensor = tensor.view(module.num_local_experts, -1)
-            result[f"{prefix}{local_name}"] = ShardedTensor.from_rank_offsets(
-                f"{prefix}experts.{linear}.{kind}", tensor, *sharded_offsets,
-                expert_axis, replica_id=replica_id, prepend_axis_num=len(sharded_offsets))
+        key = f"{prefix}experts.{linear}.{kind}"
+        if tensor is None:
+            continue
+        if tensor.dim() == 1:
+            # A factory, not an entry of a view: Megatron's optimizers find a parameter's entry by
+            # the parameter itself and build their states' entries with their own flat tensors.
+            result[f"{prefix}{local_name}"] = ShardedTensorFactory(
+                key, tensor, stacked_entry, lambda loaded: loaded.reshape(-1), replica_id)
+        else:
+            result[f"{prefix}{local_name}"] = stacked_entry(key, tensor, replica_id)
     # SequentialMLP's linears also save an (empty) extra state per expert; write the same
     # objects so a SequentialMLP can load this checkpoint.
     for linear in ("linear_fc1", "linear_fc2"):

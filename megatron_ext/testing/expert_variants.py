@@ -125,20 +125,26 @@ def load_expert_params(experts_module, params: ExpertParams, first_expert: int =
             stacked.copy_(source[name][first_expert:first_expert + stacked.shape[0]])
 
 
+def per_expert(experts_module, tensor_of) -> dict[str, torch.Tensor]:
+    """`tensor_of(parameter)` (the parameter, its gradient, an optimizer state of it) for each
+    parameter of SequentialMLP or the grouped experts, stacked in ExpertParams' layout."""
+    stacked = {}
+    for name, target in _local_tensors(experts_module).items():
+        if isinstance(target, list):
+            stacked[name] = torch.stack([tensor_of(t) for t in target])
+        else:
+            stacked[name] = _stacked(experts_module, tensor_of(target))
+    return {k: v.detach().clone() for k, v in stacked.items()}
+
+
 def expert_params_of(experts_module) -> dict[str, torch.Tensor]:
     """The local experts' parameters, stacked in ExpertParams' layout."""
-    return {name: (torch.stack(target) if isinstance(target, list) else _stacked(experts_module, target))
-            .detach().clone() for name, target in _local_tensors(experts_module).items()}
+    return per_expert(experts_module, lambda param: param)
 
 
 def expert_param_grads(experts_module) -> dict[str, torch.Tensor]:
     """Gradients of the local experts' parameters, stacked in ExpertParams' layout (zeros where none)."""
-    grads = {}
-    for name, target in _local_tensors(experts_module).items():
-        tensors = target if isinstance(target, list) else [target]
-        found = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
-        grads[name] = torch.stack(found) if isinstance(target, list) else _stacked(experts_module, found[0])
-    return {k: v.detach().clone() for k, v in grads.items()}
+    return per_expert(experts_module, lambda param: param.grad if param.grad is not None else torch.zeros_like(param))
 
 
 def trainable_reference_config(config):

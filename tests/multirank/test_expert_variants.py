@@ -17,7 +17,8 @@ from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.specs import moe_builder
 from megatron_ext.testing.expert_variants import (ExpertParams, expert_param_grads, expert_params_of,
-                                                  load_expert_params, sequential_mlp, variant_config, variants)
+                                                  load_expert_params, per_expert, sequential_mlp, variant_config,
+                                                  variants)
 from megatron_ext.testing.megatron_moe import megatron_moe_layer, rank_tokens
 from megatron_ext.testing.reference import MoEWeights, assert_close
 
@@ -175,6 +176,66 @@ def _checkpoint_rank(rank, world, ckpt_root, direction):
 def test_checkpoints_of_every_variant_interchange_with_sequential_mlp(world, direction):
     with tempfile.TemporaryDirectory() as ckpt_root:
         run_on_ranks(_checkpoint_rank, world, ckpt_root, direction, sizes=ParallelSizes(ep=world))
+
+
+def _adam_after_a_step(module, seed):
+    """Adam over `module` after one step on gradients drawn from `seed` (with seed None: zero
+    gradients, which leaves the parameters as they are and the states zero, as an optimizer that
+    is about to load a checkpoint is set up)."""
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed or 0)
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param) if seed is None else torch.randn(param.shape, generator=gen)
+    optimizer.step()
+    return optimizer
+
+
+def _optimizer_checkpoint_rank(rank, world, ckpt_root, direction):
+    """Optimizer state through Megatron's distributed checkpoint, as its non-distributed optimizers
+    save it (dist_checkpointing/optimizer.py: each state found by its parameter's model entry):
+    the flat biases' states save as SequentialMLP's [L, rows] and load into either module."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                           optim_state_to_sharding_state)
+
+    def sharded(module, optimizer):
+        model = module.sharded_state_dict(prefix="mlp.experts.")
+        state = optimizer.state_dict()
+        optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model, list(module.parameters())),
+                                      exclude_keys=("step",))
+        return {"model": model, "optimizer": state}
+
+    experts_total, local = 4, 4 // world
+    config = variant_config("gelu_bias", hidden=12, ffn=5, experts=experts_total, ep=world)
+    reference, grouped = sequential_mlp(local, config), DeviceOffsetGroupedMLP(local, config)
+    source, target = (reference, grouped) if direction == "sequential_to_grouped" else (grouped, reference)
+    params = ExpertParams.random(config, seed=51)
+    load_expert_params(source, params, rank * local)
+    load_expert_params(target, params, rank * local)
+    # the same gradients per expert in both modules, so the source's states are known per expert
+    source_optimizer = _adam_after_a_step(source, seed=7 + rank)
+    target_optimizer = _adam_after_a_step(target, seed=None)
+    want = per_expert(source, lambda param: source_optimizer.state[param]["exp_avg_sq"])
+    assert all(t.abs().sum() > 0 for t in want.values())
+    ckpt_dir = os.path.join(ckpt_root, "optimizer")
+    if rank == 0:
+        os.makedirs(ckpt_dir)
+    torch.distributed.barrier()
+    dist_checkpointing.save(sharded(source, source_optimizer), ckpt_dir)
+    loaded = dist_checkpointing.load(sharded(target, target_optimizer), ckpt_dir)
+    for index, state in loaded["optimizer"]["state"].items():  # 'step' is not saved per parameter
+        state["step"] = target_optimizer.state_dict()["state"][index]["step"]
+    target_optimizer.load_state_dict(loaded["optimizer"])
+    got = per_expert(target, lambda param: target_optimizer.state[param]["exp_avg_sq"])
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"rank {rank} {direction}: {name}'s Adam state not restored"
+
+
+@pytest.mark.parametrize("direction", ["sequential_to_grouped", "grouped_to_sequential"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_optimizer_state_checkpoints_interchange_with_sequential_mlp(world, direction):
+    with tempfile.TemporaryDirectory() as ckpt_root:
+        run_on_ranks(_optimizer_checkpoint_rank, world, ckpt_root, direction, sizes=ParallelSizes(ep=world))
 
 
 def _plain_state_dict_rank(rank, world):
