@@ -263,11 +263,12 @@ class ExpertSettings:
             refused=tuple(_refusals(args, EXPERT_REFUSED) + _cpu_offloading(args)))
 
 
-# Megatron 0.19.2's optimizers that treat a parameter by its number of dimensions: Muon's kinds and
-# the emerging-optimizer registry's (SOAP) send every parameter that is not 2-D to Adam
-# (optimizer/emerging_optimizers.py, `_is_nonlinear_or_embedding`). The grouped experts' weights
-# are 3-D ([L, out, in]), so under these they would train with Adam, silently.
-NDIM_ROUTED_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon", "soap")
+# Megatron 0.19.2's optimizers that treat a parameter by its number of dimensions: every
+# --optimizer but adam and sgd takes the emerging-optimizer path (optimizer/__init__.py), whose
+# default rule sends each parameter that is not 2-D to Adam (emerging_optimizers.py,
+# `_is_nonlinear_or_embedding`; Muon's kinds to --muon-scalar-optimizer). The grouped experts'
+# weights are 3-D ([L, out, in]), so under these they would train with Adam, silently.
+NDIM_ROUTED_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon", "soap", "lion")
 
 
 def optimizer_problems(args) -> list[str]:
@@ -276,10 +277,10 @@ def optimizer_problems(args) -> list[str]:
     optimizer = getattr(args, "optimizer", None)
     if optimizer not in NDIM_ROUTED_OPTIMIZERS:
         return []
-    return [f"--optimizer {optimizer}: Megatron's {optimizer} optimizes only 2-D parameters and gives the rest to "
-            f"Adam; megatron_ext's grouped experts store their weights as one 3-D tensor per layer ([experts, out, "
-            f"in]), so they would train with Adam instead, without a message. Use --optimizer adam, sgd or lion, "
-            f"or run Megatron without megatron_ext for {optimizer}"]
+    return [f"--optimizer {optimizer}: Megatron applies {optimizer} only to 2-D parameters and gives the others to "
+            f"Adam (Muon: to --muon-scalar-optimizer); megatron_ext's grouped experts store their weights as one 3-D "
+            f"tensor per layer ([experts, out, in]), so they would not train with {optimizer}, without a message. "
+            f"Use --optimizer adam or sgd, or run Megatron without megatron_ext for {optimizer}"]
 
 
 EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")  # Megatron 0.19.2's experts' offloads
