@@ -25,7 +25,7 @@ from megatron_ext.bench.cli_types import list_of, positive_int
 from megatron_ext.bench.cuda_required import require_cuda
 from megatron_ext.bench.gpu_clocks import ClockSampler
 from megatron_ext.bench.kernel_profile import print_profile_pair, profile_pair
-from megatron_ext.bench.measurement import cuda_time_ms, host_time_ms, median
+from megatron_ext.bench.measurement import cuda_time_ms, held_after, host_time_ms, median
 from megatron_ext.bench.results import add_results_dir_arg, write_result
 from megatron_ext.testing.megatron_moe import load_weights, megatron_ddp, moe_config
 from megatron_ext.testing.reference import MoEWeights
@@ -69,11 +69,7 @@ def step_for(layer, tokens: int, hidden: int, grads: str):
 
 def first_step_resident_mib(step) -> float:
     """Memory left allocated by the first step (graphed: the capture, its slots and pool)."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.memory_allocated() - before) / 2**20
+    return held_after(step)[1] / 2**20
 
 
 def spread(values) -> dict:

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron_ext.bench.measurement import collector_held_off  # noqa: E402
 from megatron_ext.kernels.swiglu import _backward_torch, _forward_torch, swiglu_valid_prefix  # noqa: E402
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP  # noqa: E402
 from megatron_ext.testing.expert_steps import expert_rows as _rows  # noqa: E402
@@ -199,17 +200,18 @@ def test_one_node_fast_path_equals_torch_autograd_of_the_three_ops():
 
     def run(node: bool):
         leaves = [t.clone().requires_grad_(True) for t in (x, fc1, fc2, probs)]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        if node:
-            out = swiglu_grouped_mlp(*leaves[:3], offsets, leaves[3])
-        else:
-            act = swiglu_valid_prefix(torch._grouped_mm(leaves[0], leaves[1].transpose(1, 2), offs=offsets),
-                                      offsets[-1], leaves[3])
-            out = torch._grouped_mm(act, leaves[2].transpose(1, 2), offs=offsets)
-        out.backward(grad_out)
-        peaks.append(torch.cuda.max_memory_allocated() - base)
+        with collector_held_off():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            if node:
+                out = swiglu_grouped_mlp(*leaves[:3], offsets, leaves[3])
+            else:
+                act = swiglu_valid_prefix(torch._grouped_mm(leaves[0], leaves[1].transpose(1, 2), offs=offsets),
+                                          offsets[-1], leaves[3])
+                out = torch._grouped_mm(act, leaves[2].transpose(1, 2), offs=offsets)
+            out.backward(grad_out)
+            peaks.append(torch.cuda.max_memory_allocated() - base)
         return out[:valid].detach(), leaves[0].grad[:valid], leaves[1].grad, leaves[3].grad, leaves[2].grad
 
     peaks = []
