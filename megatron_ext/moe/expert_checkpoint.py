@@ -19,6 +19,12 @@ PARAMETERS = (("fc1_weight", "linear_fc1", "weight"), ("fc1_bias", "linear_fc1",
               ("fc2_weight", "linear_fc2", "weight"), ("fc2_bias", "linear_fc2", "bias"))
 
 
+def stacked(tensor: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """A flat bias (or its gradient, or an optimizer state of it) as the [L, rows] view the
+    experts compute with and SequentialMLP stacks to; the 3-D weights as they are."""
+    return tensor.view(num_local_experts, -1) if tensor.dim() == 1 else tensor
+
+
 def sharded_state_dict(module, prefix: str = "", sharded_offsets=()):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
@@ -32,10 +38,8 @@ def sharded_state_dict(module, prefix: str = "", sharded_offsets=()):
             raise ValueError(f"{key}: a flattened optimizer state (the distributed optimizer's legacy "
                              f"'fully_sharded_model_space' format) is not supported by the grouped experts; use "
                              f"Megatron's default dp_reshardable or fully_reshardable format")
-        if tensor.dim() == 1:  # a flat bias (or its optimizer state), saved as SequentialMLP's stacked [L, rows]
-            tensor = tensor.view(experts, -1)
-        return ShardedTensor.from_rank_offsets(key, tensor, *sharded_offsets, expert_axis, replica_id=replica_id,
-                                               prepend_axis_num=len(sharded_offsets))
+        return ShardedTensor.from_rank_offsets(key, stacked(tensor, experts), *sharded_offsets, expert_axis,
+                                               replica_id=replica_id, prepend_axis_num=len(sharded_offsets))
 
     result = {}
     for local_name, linear, kind in PARAMETERS:

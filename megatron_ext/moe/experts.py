@@ -36,7 +36,7 @@ import torch
 
 from megatron_ext.kernels.swiglu import swiglu_valid_prefix
 from megatron_ext.moe.expert_activation import ExpertActivation
-from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, sharded_state_dict
+from megatron_ext.moe.expert_checkpoint import load_sequential_mlp_layout, sharded_state_dict, stacked
 from megatron_ext.moe.expert_mlp import swiglu_grouped_mlp
 from megatron_ext.moe.expert_padding import GemmPadding
 from megatron_ext.moe.expert_recompute import activation_then_fc2
@@ -145,17 +145,14 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         sharded = self.ep_group.size() > 1 or (self.config.expert_tensor_parallel_size or 1) != (
             self.config.tensor_model_parallel_size)
         zero = torch.nn.init.zeros_  # Megatron always initializes linear biases to zero
-        fc1_bias, fc2_bias = self.stacked_biases()
-        for param, weight, init in ((self.fc1_weight, self.fc1_weight, self.config.init_method),
-                                    (self.fc1_bias, fc1_bias, zero),
-                                    (self.fc2_weight, self.fc2_weight, self.config.output_layer_init_method),
-                                    (self.fc2_bias, fc2_bias, zero)):
-            if param is None:
+        for weight, init in ((self.fc1_weight, self.config.init_method), (self.fc1_bias, zero),
+                             (self.fc2_weight, self.config.output_layer_init_method), (self.fc2_bias, zero)):
+            if weight is None:
                 continue
-            param.allreduce = not sharded
-            param.tensor_model_parallel = False
-            param.partition_dim = -1
-            param.partition_stride = 1
+            weight.allreduce = not sharded
+            weight.tensor_model_parallel = False
+            weight.partition_dim = -1
+            weight.partition_stride = 1
             if not self.config.perform_initialization:
                 continue
             tracker = get_cuda_rng_tracker()
@@ -163,12 +160,12 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
             forked = tracker.is_initialized() and name in tracker.get_states()
             context = tracker.fork(name) if forked else contextlib.nullcontext()
             with context:
-                for expert_weight in weight.data:
+                for expert_weight in stacked(weight.data, self.num_local_experts):
                     init(expert_weight)
 
     def stacked_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The fc1 and fc2 biases as [L, gF] and [L, H] views of their flat parameters (None without biases)."""
-        return tuple(None if bias is None else bias.view(self.num_local_experts, -1)
+        return tuple(None if bias is None else stacked(bias, self.num_local_experts)
                      for bias in (self.fc1_bias, self.fc2_bias))
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert, permuted_probs=None, **unused_kwargs):

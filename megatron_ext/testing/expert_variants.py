@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.moe.expert_checkpoint import stacked
 from megatron_ext.testing.megatron_moe import moe_config
 
 
@@ -93,7 +94,7 @@ _GROUPED = {"fc1": "fc1_weight", "fc2": "fc2_weight", "fc1_bias": "fc1_bias", "f
 
 def _local_tensors(experts_module) -> dict[str, list[torch.Tensor] | torch.Tensor]:
     """SequentialMLP: each name's per-expert parameters; the grouped experts: the parameters
-    themselves (the biases flat, `_stacked` shapes them)."""
+    themselves (the biases flat, `stacked` shapes them)."""
     if hasattr(experts_module, "local_experts"):  # Megatron SequentialMLP
         found = {}
         for name, (linear, kind) in _SEQUENTIAL.items():
@@ -103,11 +104,6 @@ def _local_tensors(experts_module) -> dict[str, list[torch.Tensor] | torch.Tenso
         return found
     return {name: getattr(experts_module, attr) for name, attr in _GROUPED.items()
             if getattr(experts_module, attr) is not None}
-
-
-def _stacked(experts_module, tensor: torch.Tensor) -> torch.Tensor:
-    """A grouped experts' parameter (or its gradient) in ExpertParams' [L, ...] layout."""
-    return tensor.view(experts_module.num_local_experts, -1) if tensor.dim() == 1 else tensor
 
 
 @torch.no_grad()
@@ -121,20 +117,20 @@ def load_expert_params(experts_module, params: ExpertParams, first_expert: int =
             for i, tensor in enumerate(target):
                 tensor.copy_(source[name][first_expert + i])
         else:
-            stacked = _stacked(experts_module, target)
-            stacked.copy_(source[name][first_expert:first_expert + stacked.shape[0]])
+            rows = stacked(target, experts_module.num_local_experts)
+            rows.copy_(source[name][first_expert:first_expert + rows.shape[0]])
 
 
 def per_expert(experts_module, tensor_of) -> dict[str, torch.Tensor]:
     """`tensor_of(parameter)` (the parameter, its gradient, an optimizer state of it) for each
     parameter of SequentialMLP or the grouped experts, stacked in ExpertParams' layout."""
-    stacked = {}
+    found = {}
     for name, target in _local_tensors(experts_module).items():
         if isinstance(target, list):
-            stacked[name] = torch.stack([tensor_of(t) for t in target])
+            found[name] = torch.stack([tensor_of(t) for t in target])
         else:
-            stacked[name] = _stacked(experts_module, tensor_of(target))
-    return {k: v.detach().clone() for k, v in stacked.items()}
+            found[name] = stacked(tensor_of(target), experts_module.num_local_experts)
+    return {k: v.detach().clone() for k, v in found.items()}
 
 
 def expert_params_of(experts_module) -> dict[str, torch.Tensor]:
