@@ -139,6 +139,9 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor):
         group = self.ep_group if self.ep_size > 1 else None
         sinks, self.metric_sinks = self.metric_sinks, None
+        # Set before the route adds to the metric sums, so read_metrics can count a forward that fails after it
+        self.routes_per_step = self.top_idx.numel()
+        self.row_bytes = dispatch_row_bytes(hidden.shape[-1], hidden.dtype, self.ext_config.mxfp8_dispatch)
         gather_counts = getattr(self.transport, "gather_counts", None)
         probs = self._keep_dispatch_backward(hidden, probs)
         # With the arena the plan's capacities come from the microbatch's cursor, which the plan moves.
@@ -166,8 +169,6 @@ class RowwiseTokenDispatcher(MoETokenDispatcher):
         else:
             (buffer, row_probs, self.lease), self.payload = dispatch_rows(hidden, probs, self.transport,
                                                                          self.route_map), None
-        self.row_bytes = dispatch_row_bytes(hidden.shape[-1], hidden.dtype, self.ext_config.mxfp8_dispatch)
-        self.routes_per_step = self.top_idx.numel()
         return buffer, row_probs
 
     def _allocate_arena(self, hidden: torch.Tensor) -> None:

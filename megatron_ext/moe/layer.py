@@ -168,7 +168,9 @@ class RowwiseMoELayer(MoELayer):
             return None
         dispatcher = self.token_dispatcher
         dropped = int(totals["dropped"])
-        kept_routes = self._first_routes * n + int(sums[-1]) - dropped  # this rank's routes that moved
+        # A first training forward that failed after its route (counted) never set _first_routes
+        first_routes = dispatcher.routes_per_step if self._first_routes is None else self._first_routes
+        kept_routes = first_routes * n + int(sums[-1]) - dropped  # this rank's routes that moved
         return {"steps": n, "requested_per_expert": totals["requested"].tolist(),
                 "kept_per_expert": totals["kept"].tolist(), "dropped_routes": dropped,
                 "nonfinite_prob_routes": int(totals["nonfinite"]),

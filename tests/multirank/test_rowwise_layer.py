@@ -350,3 +350,23 @@ def test_dispatched_bytes_count_each_microbatchs_own_routes():
     for metrics in run_on_ranks(_varying_microbatches_rank, 2, sizes=ParallelSizes(ep=2)):
         assert metrics["steps"] == 2 and metrics["dropped_routes"] == 0, metrics
         assert metrics["dispatched_bytes_per_step"] == (16 + 4) * 2 * 16 * 4 // 2, metrics
+
+
+def _failed_first_forward_rank(rank, world):
+    """A first training forward that fails after its route (the sums count it), then read_metrics."""
+    from unittest import mock
+
+    layer = build_rowwise(moe_config(hidden=16, ffn=8, experts=4, topk=2, ep=world), dropless=True)
+    load_weights(layer, MoEWeights.random(4, 16, 8, seed=5))
+    with mock.patch("megatron_ext.moe.dispatcher.dispatch_rows", side_effect=RuntimeError("injected")):
+        with pytest.raises(RuntimeError, match="injected"):
+            layer(rank_tokens(rank, 16, 16)[0].view(16, 1, 16))
+    return layer.read_metrics()
+
+
+def test_metrics_count_a_first_forward_that_failed_after_its_route():
+    """The route's kernel added the failed forward's metrics before the exception: read_metrics reports
+    them (it raised a TypeError, the first forward's route count never having been taken)."""
+    for metrics in run_on_ranks(_failed_first_forward_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert metrics["steps"] == 1 and metrics["dropped_routes"] == 0, metrics
+        assert metrics["dispatched_bytes_per_step"] == 16 * 2 * 16 * 4, metrics
