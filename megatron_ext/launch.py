@@ -38,6 +38,7 @@ import sys
 
 from megatron_ext.argument_checks import training_loop_conflicts, validate_against_megatron
 from megatron_ext.arguments import FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args
+from megatron_ext.moe.drop_notice import drops_beyond_capacity, mark_given
 from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
 EXT_SPEC = ["megatron_ext.specs", "gpt_block_spec"]
@@ -183,8 +184,9 @@ def prepare_parsed_args(args) -> None:
 def _drop_notice(ext_config, ep: int) -> str | None:
     """Megatron's MoE layer under these flags is dropless (its capacity factor is refused here, see
     megatron_ext.rules); the rowwise layer's capacity drops beyond cf x the balanced load when cf < EP."""
-    if not ext_config.drops_routes or ext_config.capacity_factor >= ep:
+    if not drops_beyond_capacity(ext_config, ep):
         return None
+    mark_given()  # the layers say nothing more
     return (f"megatron_ext: the rowwise MoE layers hold --moe-ext-capacity-factor {ext_config.capacity_factor:g} x "
             f"the balanced load per destination rank and drop the routes beyond it (Megatron's own layer would keep "
             f"them); dropped routes are reported at each --log-interval. To drop none: --moe-ext-dropless-arena "

@@ -15,6 +15,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_ext.config import MoEExtConfig
 from megatron_ext.host_affinity import host_core, pin_submitting_threads
+from megatron_ext.moe import drop_notice
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
@@ -70,6 +71,7 @@ class RowwiseMoELayer(MoELayer):
         self.token_dispatcher = RowwiseTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config, ext_config,
             pg_collection=pg_collection)
+        drop_notice.give_for_layer(ext_config, self.token_dispatcher.ep_size)
         self._metrics = None  # running route-metric sums, int64 [2E + 5] (_metric_sinks)
         self._first_routes = None  # this rank's routes in the first training forward
         self._sinks: dict[bool, MetricSinks] = {}  # _metric_sinks, per self.training

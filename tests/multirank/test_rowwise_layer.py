@@ -370,3 +370,40 @@ def test_metrics_count_a_first_forward_that_failed_after_its_route():
     for metrics in run_on_ranks(_failed_first_forward_rank, 2, sizes=ParallelSizes(ep=2)):
         assert metrics["steps"] == 1 and metrics["dropped_routes"] == 0, metrics
         assert metrics["dispatched_bytes_per_step"] == 16 * 2 * 16 * 4, metrics
+
+
+def _drop_notice_rank(rank, world, ext):
+    """The WARNING lines logged while two rowwise layers are built with `ext`."""
+    import logging
+
+    from megatron_ext.moe import drop_notice
+
+    drop_notice._given = False  # a fork of a process that may have given it
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_ext").addHandler(handler)
+    try:
+        for _ in range(2):
+            build_rowwise(moe_config(hidden=16, ffn=8, experts=4, topk=2, ep=world), **ext)
+    finally:
+        logging.getLogger("megatron_ext").removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("ext,says", [
+    (dict(capacity_factor=1.25), True),
+    (dict(capacity_factor=2.0), False),  # cf >= EP: the worst case, dropless
+    (dict(dropless=True), False),
+    (dict(capacity_factor=1.25, on_overflow="error"), False)])
+def test_layers_that_may_drop_say_so_once_when_built_outside_the_launcher(ext, says):
+    """A training loop of one's own gets the launcher's start-up notice from the layers: global rank 0,
+    once for the model, in the config's words."""
+    logged = run_on_ranks(_drop_notice_rank, 2, ext, sizes=ParallelSizes(ep=2))
+    assert logged[1] == [], logged
+    if says:
+        assert len(logged[0]) == 1, logged
+        assert "capacity_factor 1.25" in logged[0][0] and "read_metrics()['dropped_routes']" in logged[0][0]
+        assert "dropless_arena=True" in logged[0][0]
+    else:
+        assert logged[0] == [], logged
