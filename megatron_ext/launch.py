@@ -155,8 +155,8 @@ def prepare_parsed_args(args) -> None:
             raise MoEExtArgumentError("megatron_ext cannot run with these flags:\n  - " + "\n  - ".join(problems))
         specs.set_default_ext_config(_layer_settings(ext_config))
         training_hooks.install(ext_config)
-        _print_rank_0(f"megatron_ext: {kept_megatrons}; the MoE layers stay Megatron's"
-                      f"{_unused_moe_settings(ext_config)}")
+        _print_once(f"megatron_ext: {kept_megatrons}; the MoE layers stay Megatron's"
+                    f"{_unused_moe_settings(ext_config)}")
         return
     validate_against_megatron(args)
     ext_config = ext_config_from_args(args)

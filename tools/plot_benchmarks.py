@@ -54,8 +54,9 @@ class Skip(Exception):
 
 # ----------------------------------------------------------------------------- inputs
 def newest_result(results_dir: Path, name: str) -> Path | None:
-    """The newest `<name>_<YYYYmmdd-HHMMSS>[-N].json` in results_dir (moe_layer_profile_* is not a
-    moe_layer result), or None."""
+    """The newest `<name>_<YYYYmmdd-HHMMSS>[-N].json` in results_dir that ran on a GPU, or None
+    (moe_layer_profile_* is not a moe_layer result). CPU runs (`bench_ep --device cpu --tiny`, which
+    write here too) are left out: the figures show GPU results; pass a file to plot one anyway."""
     pattern = re.compile(rf"^{re.escape(name)}_(\d{{8}}-\d{{6}})(?:-(\d+))?\.json$")
     found = []
     if results_dir.is_dir():
@@ -63,7 +64,19 @@ def newest_result(results_dir: Path, name: str) -> Path | None:
             match = pattern.match(path.name)
             if match:
                 found.append(((match.group(1), int(match.group(2) or 0)), path))
-    return max(found)[1] if found else None
+    for _, path in sorted(found, reverse=True):
+        if _ran_on_gpu(path):
+            return path
+    return None
+
+
+def _ran_on_gpu(path: Path) -> bool:
+    """True unless the result's environment records no GPU (an unreadable file is left to load())."""
+    try:
+        env = json.loads(path.read_text()).get("env", {})
+    except (OSError, ValueError, AttributeError):
+        return True
+    return not (isinstance(env, dict) and env.get("device_count") == 0)
 
 
 def load(path: Path) -> dict:
@@ -292,7 +305,7 @@ def main(argv=None) -> int:
         chosen = getattr(args, name)
         source = Path(chosen) if chosen else newest_result(results_dir, name)
         if source is None:
-            print(f"skip {filename}: no {name}_*.json in {_shown(results_dir)}")
+            print(f"skip {filename}: no {name}_*.json from a GPU in {_shown(results_dir)}")
             continue
         if not source.is_file():
             print(f"skip {filename}: {_shown(source)} does not exist")

@@ -130,6 +130,17 @@ def test_newest_result_by_file_stamp(results):
     assert newest_result(results / "absent", "moe_layer") is None
 
 
+def test_newest_result_leaves_out_cpu_runs(results):
+    """`bench_ep --device cpu --tiny` writes into the same folder: its result must not replace the
+    GPU figures; it is the newest GPU result that is plotted."""
+    _write(results, "ep_layer_20261129-111605.json", "ep_layer", ep_layer_result(), env=dict(ENV, device_count=8))
+    _write(results, "ep_layer_20261206-205234.json", "ep_layer", ep_layer_result(),
+           env=dict(ENV, device="cpu (x86_64)", device_count=0))
+    assert newest_result(results, "ep_layer").name == "ep_layer_20261129-111605.json"
+    (results / "ep_layer_20261129-111605.json").unlink()
+    assert newest_result(results, "ep_layer") is None
+
+
 def test_missing_inputs_are_reported_and_skipped(results, tmp_path, capsys):
     _write(results, "moe_layer_20261129-111605.json", "moe_layer", moe_layer_result())
     out = tmp_path / "figures"
