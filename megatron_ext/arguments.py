@@ -113,7 +113,8 @@ FLAGS: tuple[ExtFlag, ...] = (
                  "and stop naming the first parameter that disagrees; synchronizes, so 0 (never) is the default. "
                  "Refused with --overlap-param-gather (parameters are gathered in the next forward)."),
     ExtFlag("debug_poison", "--moe-ext-debug-poison", "on",
-            help="Debug: fill capacity tails and freshly taken receive buffers (dispatch slots, scratch, arena slots) with NaN, fenced across EP ranks, so stale reads show up."),
+            help="Debug: fill capacity tails and freshly taken receive buffers (dispatch slots, scratch, arena "
+                 "slots) with NaN, fenced across EP ranks, so stale reads show up."),
     ExtFlag("debug_checks", "--moe-ext-debug-checks", "on",
             help="Debug: validate every route map (destinations in range, owner ranks, distinct rows, offsets) "
                  "and the experts' offsets; synchronizes with the host, and CUDA graphs are refused."),

@@ -65,7 +65,8 @@ class MoEExtConfig:
     replica_check_interval: every N steps compare parameter checksums across each replica group
         (dense over DP x CP, experts over EP_DP) and name the first parameter that disagrees
         (0: never; the check synchronizes with the host).
-    debug_poison: fill capacity tails and freshly taken receive buffers (dispatch slots, scratch, arena slots) with NaN, fenced across EP ranks, so stale reads show up.
+    debug_poison: fill capacity tails and freshly taken receive buffers (dispatch slots, scratch,
+        arena slots) with NaN, fenced across EP ranks, so stale reads show up.
     debug_checks: extra validation that synchronizes with the host (debug only).
     lease_slots: dispatch-buffer slots per layer (live microbatches per layer) of the symm transport,
         the arena and the graph runner; refused with the torch or deepep transport without those.
