@@ -211,11 +211,7 @@ def rowwise_problems(settings) -> list[str]:
                         "and --moe-ext-transport deepep for DeepEP")
     etp = getattr(settings, "expert_tensor_parallel_size", None)
     tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
-    if etp is not None and etp > 1:
-        problems.append(f"expert_tensor_parallel_size={etp} (--expert-tensor-parallel-size {etp}): "
-                        f"the rowwise experts are not sharded over tensor parallelism; use 1 and fold the experts "
-                        f"over --expert-model-parallel-size instead")
-    elif etp is None and tp > 1:
+    if etp is None and tp > 1:  # an explicit etp > 1 is the experts' problem (expert_problems)
         problems.append(f"tensor_model_parallel_size={tp} (--tensor-model-parallel-size {tp}) "
                         f"needs expert_tensor_parallel_size=1 (--expert-tensor-parallel-size 1): "
                         f"Megatron defaults it to the tensor-parallel size")
@@ -363,7 +359,8 @@ def expert_problems(settings: ExpertSettings) -> list[str]:
     if settings.etp != 1:
         problems.append(f"the grouped experts are not sharded over tensor parallelism "
                         f"(expert_tensor_parallel_size={settings.etp}, --expert-tensor-parallel-size {settings.etp}); "
-                        f"use --expert-tensor-parallel-size 1")
+                        f"use --expert-tensor-parallel-size 1 and fold the experts over "
+                        f"--expert-model-parallel-size instead")
     if settings.offloaded:
         modules = " ".join(settings.offloaded)
         problems.append(f"offload_modules {list(settings.offloaded)} (--fine-grained-activation-offloading "

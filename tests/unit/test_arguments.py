@@ -176,6 +176,14 @@ def test_wrong_combinations_name_both_flags(megatron_parser, argv, flags):
         assert flag in str(error.value), (flag, str(error.value))
 
 
+def test_expert_tensor_parallelism_is_one_problem(megatron_parser):
+    """The rowwise dispatcher's rules and the grouped experts' both exclude it: said once."""
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--expert-tensor-parallel-size", "2"]))
+    assert str(error.value).count("--expert-tensor-parallel-size 2") == 1, str(error.value)
+    assert "--expert-model-parallel-size" in str(error.value)
+
+
 def test_all_problems_are_listed_at_once(megatron_parser):
     args = _parse(megatron_parser, ["--num-experts", "8", "--moe-expert-capacity-factor", "1.0"])
     with pytest.raises(MoEExtArgumentError) as error:
