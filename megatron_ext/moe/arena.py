@@ -98,7 +98,7 @@ class _Slot:
     act: torch.Tensor | None = None
     busy: bool = False
     next_layer: int = 0  # the layer whose forward comes next in this microbatch (RowArena.step_to)
-    views: dict = field(default_factory=dict)  # layer index -> its SymmetricBuffer view of `rows`
+    views: dict = field(default_factory=dict)  # layer index -> its SymmetricBuffer view of `rows` (RowArena.allocate)
     act_views: dict = field(default_factory=dict)  # layer index -> its [C, F] view of `act`
     spills: dict = field(default_factory=dict)  # (layer index, act kept) -> kernels/arena_spill.SpillArrays
 
@@ -154,7 +154,21 @@ class RowArena:
             else:
                 rows = rows_with_values(heap, self.layout.rows, width, dtype, device, return_ids=return_ids)
             self.slots.append(_Slot(rows, torch.zeros(self.layers + 1, world, dtype=torch.int64, device=device),
-                                    torch.zeros(self.layers, dtype=torch.int64, device=device)))
+                                    torch.zeros(self.layers, dtype=torch.int64, device=device),
+                                    views={index: self._layer_view(rows, index) for index in range(self.layers)}))
+
+    def _layer_view(self, rows: SymmetricBuffer, index: int) -> SymmetricBuffer:
+        """Layer `index`'s view of a slot's rows (its region, then its run-on), made with the slot:
+        the views' address tables are device adds, which a first use inside a CUDA-graph capture
+        would leave unwritten until a replay (and for good, had the capture failed)."""
+        start, count = index * self.layout.region, self.layout.view_rows(index)
+        row_bytes = rows.local.shape[1] * rows.local.element_size()
+        view = SymmetricBuffer(rows.local[start:start + count], rows.peer_table + start * row_bytes, rows.handle,
+                               rows.values[start:start + count], rows.values_table + start * 4)
+        if rows.return_ids is not None:
+            view.return_ids = rows.return_ids[start:start + count]
+            view.return_table = rows.return_table + start * 4
+        return view
 
     def open(self) -> _Slot:
         free = [slot for slot in self.slots if not slot.busy]
@@ -277,17 +291,7 @@ class ArenaLayer:
 
     def lease(self) -> "ArenaLease":
         """The transport's slot: this layer's view of the open microbatch's rows."""
-        slot = self.arena.current
-        if self.index not in slot.views:
-            start, rows, buffer = self.index * self.layout.region, self.capacity, slot.rows
-            row_bytes = buffer.local.shape[1] * buffer.local.element_size()
-            view = SymmetricBuffer(buffer.local[start:start + rows], buffer.peer_table + start * row_bytes,
-                                   buffer.handle, buffer.values[start:start + rows], buffer.values_table + start * 4)
-            if buffer.return_ids is not None:
-                view.return_ids = buffer.return_ids[start:start + rows]
-                view.return_table = buffer.return_table + start * 4
-            slot.views[self.index] = view
-        return ArenaLease(self, slot, forward_only=self.forward_only)
+        return ArenaLease(self, self.arena.current, forward_only=self.forward_only)
 
 
 @dataclass

@@ -98,3 +98,21 @@ def test_a_first_layer_forward_whose_dispatch_needs_no_gradient_is_refused():
     with torch.no_grad():
         first.begin_forward(dispatch_has_backward=False)  # evaluation: freed at the last layer's combine
     assert arena.current.busy
+
+
+def test_every_layers_view_of_every_slot_is_made_at_allocation():
+    """The views' address tables are device adds: made lazily, a slot's first use inside a CUDA-graph
+    capture left them unwritten until a replay, and for good when the capture failed and the layer
+    went on eagerly (a review found it). They are made with the slots, eagerly, and a lease reads them."""
+    arena, layers = _arena(slots=2, layers=3)
+    layout, row_bytes = arena.layout, 8 * 4
+    for slot in arena.slots:
+        assert sorted(slot.views) == [0, 1, 2]
+        for index, view in slot.views.items():
+            start = index * layout.region
+            assert view.local.data_ptr() == slot.rows.local[start].data_ptr()
+            assert len(view.local) == layers[index].capacity == layout.view_rows(index)
+            assert int(view.peer_table[0]) == int(slot.rows.peer_table[0]) + start * row_bytes
+            assert int(view.values_table[0]) == slot.rows.values[start].data_ptr()
+    arena_slots.acquire(layers[0], 1)
+    assert layers[0].lease().buffer is arena.slots[1].views[0]
