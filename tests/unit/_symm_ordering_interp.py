@@ -19,7 +19,8 @@ route map (Triton select and route kernels, counts exchanged over the simulated 
 memory) instead of the torch one. --return-put runs PUT_RETURN_CASES with return_transfer="put"
 (combine and dispatch backward PUT the rows back, transport/put_return.py); with
 --unfenced-put-back, minus the barrier between that PUT and the sum, which must then fail.
-Exits 0 when every case passes.
+--drop-barrier PHASE drops one of the transport's phase barriers on every rank: some case must
+then fail (each barrier is needed, and the checks can see it missing). Exits 0 when every case passes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ serialize_kernels(put_return)
 serialize_kernels(route_plan, names=("select_routes", "plan_and_place"))
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 32, 8, 2, 2
+# The transport's phase barriers (SymmRowTransport._fence's names), each of which --drop-barrier can drop
+PHASES = ("route-count exchange", "dispatch", "combine", "combine backward", "dispatch backward")
 
 # name: (world, capacity factor, lease slots, schedule, poison, delay mode, steps)
 # A schedule is the per-step order of forward (F) and backward (B) microbatches.
@@ -54,6 +57,7 @@ CASES = {
     "cf1.25_two_mb_reversed_no_poison": (2, 1.25, 2, "F0 F1 B1 B0", False, "random", 20),
     "cf1.0_two_mb_late_rank1_poison": (2, 1.0, 2, "F0 F1 B1 B0", True, "late1", 6),
     "ep4_cf1.0_poison_random": (4, 1.0, 1, "F0 B0", True, "random", 6),
+    "cf1.0_one_mb_late_rank0": (2, 1.0, 1, "F0 B0", False, "late0", 6),  # no poison barrier to hide behind
 }
 FUSED_CASES = {
     "fused_cf1.0_two_mb_reversed_poison": (2, 1.0, 2, "F0 F1 B1 B0", True, "random", 8),
@@ -172,7 +176,16 @@ def main() -> int:
     parser.add_argument("--return-put", action="store_true", help="run PUT_RETURN_CASES instead")
     parser.add_argument("--unfenced-put-back", action="store_true",
                         help="drop the barrier between the PUT back and the sum (the run must then fail)")
+    parser.add_argument("--drop-barrier", choices=PHASES,
+                        help="drop this phase's barrier on every rank (the run must then fail)")
     args = parser.parse_args()
+    if args.drop_barrier:
+        kept_fence = SymmRowTransport._fence
+
+        def fence_all_but(self, buffer, phase):
+            if phase != args.drop_barrier:
+                kept_fence(self, buffer, phase)
+        SymmRowTransport._fence = fence_all_but
     if args.unfenced_put_back:
         fence = SymmRowTransport._fence
 

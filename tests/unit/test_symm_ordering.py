@@ -10,12 +10,28 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.unit.interpreter import REPO, run_under_interpreter
 
 
 def test_symm_phases_are_ordered_on_simulated_ranks():
     out = run_under_interpreter("_symm_ordering_interp.py", timeout=300)
-    assert out.count("\nok ") + out.startswith("ok ") == 7, out
+    assert out.count("\nok ") + out.startswith("ok ") == 8, out
+
+
+@pytest.mark.parametrize("phase", ["route-count exchange", "dispatch", "combine", "combine backward",
+                                   "dispatch backward"])
+def test_each_phase_barrier_is_needed(phase):
+    """Without any one of the transport's phase barriers a late rank reads rows or counts before its
+    peer wrote them, or a peer overwrites what it still reads: the checks must see it. The case has
+    no debug poison, whose own barriers before PUTs would hide a missing combine-backward barrier."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "unit", "_symm_ordering_interp.py"),
+                           "--drop-barrier", phase, "--case", "cf1.0_one_mb_late_rank0"],
+                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL cf1.0_one_mb_late_rank0" in proc.stdout and "wrong" in proc.stdout, proc.stdout
 
 
 def test_unfenced_poison_is_caught():
