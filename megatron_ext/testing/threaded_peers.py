@@ -3,7 +3,8 @@
 Each rank's SymmRowTransport gets a `RankHeap`: allocations are collective by call order, as
 with torch symmetric memory, and every rank's peer table holds the addresses of all ranks'
 CPU tensors, so the Triton row kernels (under TRITON_INTERPRET=1) store into and load from
-"peers" for real. A barrier is a threading.Barrier over the ranks. The interpreter runs a
+"peers" for real. A barrier is a threading.Barrier over the ranks, which checks that all ranks
+barrier on the same allocation (on GPUs each allocation has its own signal pad). The interpreter runs a
 kernel to completion on the calling thread, so a thread's order is its "device" order and the
 only cross-rank ordering is the barrier: exactly the contract the GPU transport relies on.
 A late rank (`phase_delay("late<r>")`) waits until every peer is parked at a barrier or done, so
@@ -29,7 +30,8 @@ from megatron_ext.moe.buffers import SymmetricBuffer
 class ThreadedPeers:
     def __init__(self, world: int, timeout_s: float = 60.0):
         self.world = world
-        self._barrier = threading.Barrier(world, timeout=timeout_s)
+        self._barrier = threading.Barrier(world, action=self._check_same_allocation, timeout=timeout_s)
+        self._arriving: list[int | None] = [None] * world  # the allocation each rank barriers on
         self._lock = threading.Lock()
         self._allocations: list[list[torch.Tensor]] = []
         self.barriers_passed = [0] * world
@@ -49,6 +51,15 @@ class ThreadedPeers:
                                f"{tuple(buffers[0].shape)} {buffers[0].dtype}, "
                                f"this rank asked for {tuple(shape)} {dtype}")
         return buffers
+
+    def _check_same_allocation(self) -> None:
+        """Run once all ranks arrived, before any leaves. One threading.Barrier stands in for every
+        allocation's signal pad, so ranks that barrier on different allocations would meet here
+        where on GPUs each would wait on its own pad for peers that never come."""
+        if len(set(self._arriving)) > 1:
+            raise RuntimeError(f"simulated ranks met at barriers of different symmetric allocations "
+                               f"{self._arriving} (by rank): every rank must call the same barriers in the "
+                               f"same order")
 
     def run(self, fn, *args) -> list:
         """fn(rank, *args) on every rank's thread; returns the results, re-raises the first error."""
@@ -91,10 +102,11 @@ class ThreadedPeers:
 
 
 class _Barrier:
-    def __init__(self, peers: ThreadedPeers, rank: int):
-        self.peers, self.rank = peers, rank
+    def __init__(self, peers: ThreadedPeers, rank: int, allocation: int):
+        self.peers, self.rank, self.allocation = peers, rank, allocation
 
     def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        self.peers._arriving[self.rank] = self.allocation
         self.peers._barrier.wait()
         self.peers.barriers_passed[self.rank] += 1
 
@@ -110,10 +122,11 @@ class RankHeap:
     def allocate(self, shape, dtype, device) -> SymmetricBuffer:
         if torch.device(device).type != "cpu":
             raise ValueError("simulated peers live on the CPU")
-        buffers = self.peers._collective_alloc(self._count, tuple(shape), dtype)
+        index = self._count
+        buffers = self.peers._collective_alloc(index, tuple(shape), dtype)
         self._count += 1
         table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-        return SymmetricBuffer(buffers[self.rank], table, _Barrier(self.peers, self.rank))
+        return SymmetricBuffer(buffers[self.rank], table, _Barrier(self.peers, self.rank, index))
 
     def scratch(self, role, shape, dtype, device) -> SymmetricBuffer:
         key = (role, tuple(shape), dtype)
