@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo); EP equals this")
     parser.add_argument("--dispatcher", choices=("rowwise", "megatron"), default="rowwise")
     args = parser.parse_args(argv)
+    if args.ranks < 1 or EXPERTS % args.ranks:
+        divisors = ", ".join(str(n) for n in range(1, EXPERTS + 1) if EXPERTS % n == 0)
+        parser.error(f"--ranks must divide the model's {EXPERTS} experts (EP equals --ranks), got {args.ranks}; "
+                     f"use one of {divisors}")
     ext_config = MoEExtConfig(dispatcher=args.dispatcher, transport="torch" if args.dispatcher == "rowwise" else "auto")
     results = run_on_ranks(build_and_step, args.ranks, ext_config, sizes=ParallelSizes(ep=args.ranks), timeout=300)
     print(f"custom model, {args.ranks} CPU ranks, EP={args.ranks}, megatron_ext dispatcher={args.dispatcher}")

@@ -7,6 +7,7 @@ import io
 import os
 import runpy
 
+import pytest
 import torch
 
 from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
@@ -102,3 +103,11 @@ def test_custom_model_example_swaps_only_the_moe_layer(capsys):
     assert [r["mlp_per_layer"] for r in results] == [["MLP", "RowwiseMoELayer", "MLP"]] * 2
     assert all(torch.isfinite(torch.tensor(r["loss"])) and r["expert_grad_norm"] > 0 for r in results)
     assert "layers' MLPs" in capsys.readouterr().out
+
+
+def test_custom_model_example_refuses_ranks_that_do_not_divide_the_experts(capsys):
+    example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "custom_model.py"), run_name="example")
+    with pytest.raises(SystemExit) as exit_:
+        example["main"](["--ranks", "3"])
+    assert exit_.value.code == 2
+    assert "--ranks must divide the model's 4 experts" in capsys.readouterr().err
