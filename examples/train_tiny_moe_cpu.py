@@ -13,6 +13,7 @@ import argparse
 import functools
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,6 +24,7 @@ quiet_known_warnings()
 from megatron_ext._cpu import apply_cpu_shims  # noqa: E402
 from megatron_ext.config import MoEExtConfig  # noqa: E402
 from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks  # noqa: E402
+from megatron_ext.moe import drop_notice  # noqa: E402
 from megatron_ext.moe.overflow import CapacityExceeded  # noqa: E402
 from megatron_ext.tiny_gpt import TinyGPTConfig, train  # noqa: E402
 
@@ -85,6 +87,22 @@ def parse_args():
     return args
 
 
+# The overflow message names megatron_ext's launcher flags; this script's own do the same here.
+OWN_FLAGS = (
+    (re.compile(r"--moe-ext-arena-region-factor \(now [^;]*; at most the capacity factor\)"),
+     "--capacity-factor (this script sets the arena's regions to min(1, --capacity-factor))"),
+    (re.compile(r"--moe-ext-capacity-factor"), "--capacity-factor"),
+    (re.compile(r", or --moe-ext-on-overflow drop to drop and count them"),
+     ", or use --dropless (worst-case buffers: nothing dropped)"),
+)
+
+
+def in_this_scripts_flags(message: str) -> str:
+    for flag, own in OWN_FLAGS:
+        message = flag.sub(own, message)
+    return message
+
+
 def main():
     args = parse_args()
     apply_cpu_shims()
@@ -98,6 +116,10 @@ def main():
     sizing += ", dropless arena" if args.dropless_arena else ""
     what = "Megatron alltoall MoELayer" if ext is None else f"megatron_ext RowwiseMoELayer (torch transport, {sizing})"
     print(f"tiny GPT-MoE, {args.ranks} CPU ranks, EP={args.ranks}, {what}", flush=True)
+    if ext is not None and drop_notice.drops_beyond_capacity(ext, args.ranks):  # in this script's flags
+        drop_notice.mark_given()
+        print(f"routes beyond --capacity-factor {args.capacity_factor:g} x the balanced load are dropped and "
+              f"counted below; --dropless-arena or --dropless drops none", flush=True)
     try:
         records = run_on_ranks(train, args.ranks, TinyGPTConfig(), ext, args.steps, log,
                                sizes=ParallelSizes(ep=args.ranks), timeout=1800)[0]
@@ -105,7 +127,7 @@ def main():
         overflow = [line for line in str(failure).splitlines() if line.startswith(CapacityExceeded.__module__)]
         if not overflow:
             raise
-        raise SystemExit(f"training stopped: {overflow[-1].split(': ', 1)[1]}") from None
+        raise SystemExit(f"training stopped: {in_this_scripts_flags(overflow[-1].split(': ', 1)[1])}") from None
     tail = records[-3:]
     first, last = records[0]["loss"], sum(r["loss"] for r in tail) / len(tail)
     print(f"loss {first:.4f} -> {last:.4f} (mean of last {len(tail)} steps)", flush=True)
