@@ -45,6 +45,6 @@ def test_an_arena_overflow_stops_the_job_with_its_message():
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("training stopped: megatron_ext bounded dropless: MoE layer"), result.stderr
     assert "dropless arena" in last and "overflow policy (error)" in last and "--moe-ext-dropless " not in last, last
-    assert "--moe-ext-" not in last and "raise --capacity-factor" in last and "--dropless" in last, last  # its own flags
+    assert "--moe-ext-" not in last and "raise --capacity-factor" in last and "--dropless" in last, last  # its flags
     assert "Traceback" not in result.stderr and "Warning" not in result.stderr, result.stderr
     assert "step   1 |" in result.stdout and "step   3 |" not in result.stdout, result.stdout
