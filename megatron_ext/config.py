@@ -6,6 +6,7 @@ behaviour is switched by environment variables.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, fields
 
@@ -125,6 +126,18 @@ class MoEExtConfig:
     peer_timeout_s: float | None = None
     pin_host_threads: bool = False
     expert_wgrad_fusion: bool = True
+
+    def __new__(cls, *args, **kwargs):
+        """A misspelt setting is named with the closest fields (Python's own error names none)."""
+        unknown = [name for name in kwargs if name not in _FIELD_NAMES]
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, _FIELD_NAMES, n=2, cutoff=0.7)
+                hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+            raise TypeError(f"MoEExtConfig has no setting {', '.join(hints)}; its settings: "
+                            f"{', '.join(_FIELD_NAMES)}")
+        return super().__new__(cls)
 
     def __post_init__(self):
         wrong_types = list(self._type_problems())
@@ -282,3 +295,6 @@ def _one_message(problems: list[str]) -> str:
     if len(problems) == 1:
         return problems[0]
     return f"{len(problems)} problems in the MoE settings:\n  - " + "\n  - ".join(problems)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(MoEExtConfig))

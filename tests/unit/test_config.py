@@ -28,6 +28,15 @@ def test_bad_settings_raise(kwargs, match):
         MoEExtConfig(**kwargs)
 
 
+def test_a_misspelt_setting_names_the_closest():
+    with pytest.raises(TypeError, match=r"no setting 'capacity_fator' \(did you mean capacity_factor\?\)"):
+        MoEExtConfig(capacity_fator=1.5)
+    with pytest.raises(TypeError, match=r"no setting 'speed'; its settings: dispatcher, transport"):
+        MoEExtConfig(speed=2)
+    config = MoEExtConfig(capacity_factor=1.5)  # known names, positional or by keyword, still build
+    assert MoEExtConfig("rowwise", "torch") == MoEExtConfig(transport="torch") and config.capacity_factor == 1.5
+
+
 def test_defaults_are_valid():
     config = MoEExtConfig()
     assert (config.dispatcher, config.transport, config.capacity_factor) == ("rowwise", "auto", 1.25)
