@@ -25,6 +25,7 @@ def hooked(monkeypatch):
     from megatron.training import arguments
 
     original = arguments.parse_args
+    monkeypatch.setattr(launch, "_printed", set())  # each test a fresh process: its notices print once
     uninstall = launch.install()
     yield arguments
     uninstall()
@@ -295,7 +296,6 @@ def test_megatron_on_a_machine_without_a_gpu_is_a_usage_error(tmp_path):
     (["--expert-model-parallel-size", "2", "--moe-ext-dropless"], False),
     ([], False)])  # EP = 1: the capacity is the worst case
 def test_a_layer_that_may_drop_where_megatrons_would_not_says_so_at_start_up(hooked, capsys, flags, dropping):
-    launch._printed.clear()
     parse_with(hooked, [*MOE_MODEL, *flags])
     out = capsys.readouterr().out
     assert ("drop the routes beyond it (Megatron's own layer would keep them)" in out) is dropping, out
