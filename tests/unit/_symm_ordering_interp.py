@@ -168,6 +168,16 @@ def run_case(name: str, seed: int = 0):
     return failures, dropped, PEERS.barriers_passed
 
 
+def _drop_fences(dropped) -> None:
+    """Every rank skips the transport's phase barriers for which `dropped(transport, phase)` holds."""
+    kept_fence = SymmRowTransport._fence
+
+    def fence_unless_dropped(self, buffer, phase):
+        if not dropped(self, phase):
+            kept_fence(self, buffer, phase)
+    SymmRowTransport._fence = fence_unless_dropped
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--unfenced-poison", action="store_true")
@@ -180,19 +190,9 @@ def main() -> int:
                         help="drop this phase's barrier on every rank (the run must then fail)")
     args = parser.parse_args()
     if args.drop_barrier:
-        kept_fence = SymmRowTransport._fence
-
-        def fence_all_but(self, buffer, phase):
-            if phase != args.drop_barrier:
-                kept_fence(self, buffer, phase)
-        SymmRowTransport._fence = fence_all_but
+        _drop_fences(lambda transport, phase: phase == args.drop_barrier)
     if args.unfenced_put_back:
-        fence = SymmRowTransport._fence
-
-        def fence_all_but_put_back(self, buffer, phase):
-            if not (self.return_put and phase in ("combine", "dispatch backward")):
-                fence(self, buffer, phase)
-        SymmRowTransport._fence = fence_all_but_put_back
+        _drop_fences(lambda transport, phase: transport.return_put and phase in ("combine", "dispatch backward"))
     if args.unfenced_poison:  # the pre-fix behaviour: fill without ordering against peers
         from megatron_ext.moe import buffers
 
