@@ -26,6 +26,7 @@ when every case passes.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 
@@ -152,6 +153,9 @@ def run_case(name: str, spill: str, return_put: bool = False, seed: int = 0):
 
 
 def main() -> int:
+    from tests.unit.interpreter import patch_lang_once_per_kernel, shard
+
+    patch_lang_once_per_kernel()
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", action="append", choices=sorted(CASES))
     parser.add_argument("--spill-deferred", action="store_true",
@@ -161,6 +165,7 @@ def main() -> int:
                         help="return_transfer='put': the rows' return ids spill and come back with them")
     parser.add_argument("--no-id-spill", action="store_true",
                         help="with --return-put, spill everything but the return ids (must fail)")
+    parser.add_argument("--shard", metavar="K/N", help="run every Nth chosen case from the Kth (0-based)")
     args = parser.parse_args()
     if args.no_id_spill:
         copy = arena_spill.copy_row_span
@@ -169,10 +174,11 @@ def main() -> int:
             return dst if src.dtype == torch.int32 else copy(src, dst, *rest, **options)
         arena_spill.copy_row_span = copy_all_but_ids
     spill = "deferred" if args.spill_deferred else "never" if args.no_spill else "in order"
-    outcomes = [(name, *run_case(name, spill, args.return_put)) for name in args.case or CASES]
+    outcomes = [(name, *run_case(name, spill, args.return_put)) for name in shard(args.case or CASES, args.shard)]
     failed = [report_case(name, failures, f"rows spilled {spilled}") for name, failures, spilled in outcomes]
     return 1 if any(failed) else 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     sys.exit(main())

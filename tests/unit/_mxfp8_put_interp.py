@@ -132,6 +132,9 @@ def main() -> int:
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
         return 2
     sys.path.insert(0, REPO)
+    from tests.unit.interpreter import patch_lang_once_per_kernel
+
+    patch_lang_once_per_kernel()
     warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)  # numpy on 448 * 2^127
     import torch
 

@@ -197,6 +197,9 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
         return 2
+    from tests.unit.interpreter import patch_lang_once_per_kernel
+
+    patch_lang_once_per_kernel()
     cases = [  # T, E, K, M, rank, capacity, skew
         (70, 8, 2, 1, 0, 1000, 0.0),     # no drops, EP 1
         (70, 8, 2, 1, 0, 96, 2.0),       # drops, skewed

@@ -247,6 +247,9 @@ def main() -> int:
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
         return 2
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.unit.interpreter import patch_lang_once_per_kernel
+
+    patch_lang_once_per_kernel()
     failures: list[str] = []
     cases = 0
     for M in (1, 2, 4):

@@ -26,6 +26,7 @@ then fail (each barrier is needed, and the checks can see it missing). Exits 0 w
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 
@@ -179,6 +180,9 @@ def _drop_fences(dropped) -> None:
 
 
 def main() -> int:
+    from tests.unit.interpreter import patch_lang_once_per_kernel, shard
+
+    patch_lang_once_per_kernel()
     parser = argparse.ArgumentParser()
     parser.add_argument("--unfenced-poison", action="store_true")
     parser.add_argument("--case", action="append", choices=sorted({**CASES, **FUSED_CASES, **PUT_RETURN_CASES}))
@@ -188,6 +192,7 @@ def main() -> int:
                         help="drop the barrier between the PUT back and the sum (the run must then fail)")
     parser.add_argument("--drop-barrier", choices=PHASES,
                         help="drop this phase's barrier on every rank (the run must then fail)")
+    parser.add_argument("--shard", metavar="K/N", help="run every Nth chosen case from the Kth (0-based)")
     args = parser.parse_args()
     if args.drop_barrier:
         _drop_fences(lambda transport, phase: phase == args.drop_barrier)
@@ -201,11 +206,12 @@ def main() -> int:
         buffers.poison_then_fence = symm.poison_then_fence = unfenced
     bad = 0
     chosen = args.case or (FUSED_CASES if args.fused_route_map else PUT_RETURN_CASES if args.return_put else CASES)
-    for name in chosen:
+    for name in shard(chosen, args.shard):
         failures, dropped, barriers = run_case(name)
         bad += report_case(name, failures, f"dropped routes {dropped}, barriers per rank {barriers}")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     sys.exit(main())

@@ -1,7 +1,9 @@
 """Run a kernel-check script under Triton's interpreter in a subprocess.
 
 TRITON_INTERPRET=1 must be set before triton is imported, and the test process has already
-imported it (Megatron does), so the CPU kernel checks run as separate scripts.
+imported it (Megatron does), so the CPU kernel checks run as separate scripts. The longest scripts
+split their cases into shards (`--shard K/N`, `shard` below) that `run_at_once` starts together:
+the test process only waits, so CI's two cores run two shards in the time of one.
 """
 
 import os
@@ -20,6 +22,89 @@ def run_under_interpreter(script_name: str, timeout: float = 240) -> str:
     assert proc.returncode == 0, f"interpreter run of {script_name} failed ({proc.returncode}):\n" \
                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def run_at_once(runs: list[list[str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Start every run ([script name in tests/unit, *arguments]) under the interpreter at once and
+    wait for all; their results in order, stdout and stderr as text."""
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "unit", script), *args],
+                              env=dict(os.environ, TRITON_INTERPRET="1"), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for script, *args in runs]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
+def run_shards(script_name: str, *args: str, shards: int = 2, timeout: float = 300) -> tuple[int, str]:
+    """Run a script's cases split into `shards` processes at once: the worst exit code and all
+    the shards' stdout (printed, with their stderr, for the test's report)."""
+    results = run_at_once([[script_name, *args, "--shard", f"{k}/{shards}"] for k in range(shards)], timeout)
+    for result in results:
+        print(result.stdout)
+        print(result.stderr[-4000:])
+    return max(result.returncode for result in results), "".join(result.stdout for result in results)
+
+
+def shard(items, spec: str | None) -> list:
+    """For the scripts: `spec` "K/N" keeps every Nth item from the Kth (0-based); None keeps all."""
+    items = list(items)
+    if spec is None:
+        return items
+    index, count = (int(part) for part in spec.split("/"))
+    if not 0 <= index < count:
+        raise ValueError(f"--shard {spec!r}: want K/N with 0 <= K < N")
+    return items[index::count]
+
+
+def patch_lang_once_per_kernel() -> None:
+    """Triton's interpreter (3.7) patches triton.language again at every call of a @triton.jit
+    helper inside a kernel (inspect.getmembers over the language modules: a quarter of the arena
+    ordering script's time, two thirds of the route-plan script's) and never undoes those nested
+    patches. The kernel's own patch, made at its launch
+    and undone at its end, already covers a helper whose globals hold the same language modules, so
+    such nested calls skip it. Harmless if the interpreter changes: then nothing is patched."""
+    import functools
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if (patch_lang is None or not hasattr(interpreter, "_LangPatchScope")
+            or getattr(patch_lang, "once_per_kernel", False)):
+        return
+    covered: set[int] = set()  # the language modules patched since the running kernel's launch
+
+    @functools.cache
+    def languages(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
+
+    def patch_once(fn):
+        needed = languages(fn)  # never empty: the interpreter asserts a jit function sees a language
+        if covered and needed <= covered:
+            return interpreter._LangPatchScope()  # a helper inside the running kernel: nothing to undo
+        launch = not covered
+        scope = patch_lang(fn)
+        covered.update(needed)
+        if launch:  # the kernel's scope is undone when it ends; so is what `covered` says
+            restore = scope.restore
+
+            def restore_and_forget():
+                covered.clear()
+                restore()
+            scope.restore = restore_and_forget
+        return scope
+
+    patch_once.once_per_kernel = True
+    interpreter._patch_lang = patch_once
 
 
 def fix_interpreter_bf16_dot() -> None:
