@@ -5,7 +5,11 @@ The biases are flat parameters saved as SequentialMLP's [L, rows] through a Shar
 factory. Saved in Megatron's two formats for training checkpoints (dp_reshardable, the default;
 fully_reshardable, --dist-ckpt-optim-fully-reshardable) and loaded into a model and optimizer
 that took another step: the next step then equals the source's, which it does not without the
-optimizer's state.
+optimizer's state. The parameters are bf16, as in training: with fp32 parameters the distributed
+optimizer's main parameters are views of them, and Megatron 0.19.2 loads dp_reshardable state
+into those views with autograd on (an error for any parameter, Megatron's own too). Without Apex
+or Transformer Engine (this GPU machine) Megatron's optimizer is torch's Adam, whose state 0.19.2's
+distributed optimizer cannot load for any parameter: the fixture `torch_adam_step_kept` below.
 """
 
 import pytest
@@ -36,6 +40,28 @@ class _Experts(torch.nn.Module):
         return self.experts.sharded_state_dict(prefix=f"{prefix}experts.")
 
 
+@pytest.fixture
+def torch_adam_step_kept(monkeypatch):
+    """Two faults of Megatron 0.19.2's distributed optimizer with torch's Adam (no Apex/TE), for
+    every parameter, Megatron's own too: its load sets each parameter's `step` to one tensor shared
+    by all of them (which torch's foreach Adam then advances once per parameter), and it copies
+    every state tensor of a parameter from the loaded entries, which leave `step` out (KeyError
+    'step'). Here each parameter gets its own copy of that step, handed back to the copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def own_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if isinstance(state.get("step"), torch.Tensor) and "step" not in tensors:
+            state["step"] = state["step"].clone()
+            tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    monkeypatch.setattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", own_step)
+
+
 def _trained(config, seed):
     """Experts from `seed` with Megatron's DDP and distributed Adam, after one step on `seed`'s batch."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -45,15 +71,15 @@ def _trained(config, seed):
     load_expert_params(experts, ExpertParams.random(config, seed=seed))
     chunk = _Experts(experts)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), chunk)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True),
-                                       [ddp])
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                                       bf16=True, params_dtype=torch.bfloat16), [ddp])
     _step(experts, ddp, optimizer, seed)
     return chunk, ddp, optimizer
 
 
 def _step(experts, ddp, optimizer, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    x, g = (torch.randn(24, HIDDEN, device="cuda", generator=gen) for _ in range(2))
+    x, g = (torch.randn(24, HIDDEN, device="cuda", generator=gen).bfloat16() for _ in range(2))
     counts, probs = torch.tensor([5, 7, 0, 12]), torch.rand(24, device="cuda", generator=gen)
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
@@ -63,10 +89,10 @@ def _step(experts, ddp, optimizer, seed):
 
 
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
-def test_distributed_optimizer_state_of_biased_experts_round_trips(tmp_path, sharding):
+def test_distributed_optimizer_state_of_biased_experts_round_trips(tmp_path, sharding, torch_adam_step_kept):
     from megatron.core import dist_checkpointing
 
-    config = variant_config("gelu_bias", hidden=HIDDEN, ffn=FFN, experts=EXPERTS)
+    config = variant_config("gelu_bias", hidden=HIDDEN, ffn=FFN, experts=EXPERTS, dtype=torch.bfloat16)
     source, source_ddp, source_opt = _trained(config, seed=1)
     metadata = {"distrib_optim_sharding_type": sharding}
     model_entries = source.sharded_state_dict()
