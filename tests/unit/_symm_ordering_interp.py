@@ -43,7 +43,7 @@ from megatron_ext.testing.threaded_peers import (ThreadedPeers, failed_checks, p
 
 serialize_kernels(symm)
 serialize_kernels(put_return)
-serialize_kernels(route_plan, names=("select_routes", "plan_and_place"))
+serialize_kernels(route_plan, names=("select_routes", "select_backward", "plan_and_place"))
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 32, 8, 2, 2
 # The transport's phase barriers (SymmRowTransport._fence's names), each of which --drop-barrier can drop
