@@ -43,13 +43,14 @@ def run_at_once(runs: list[list[str]], timeout: float = 300) -> list[subprocess.
 
 
 def run_shards(script_name: str, *args: str, shards: int = 2, timeout: float = 300) -> tuple[int, str]:
-    """Run a script's cases split into `shards` processes at once: the worst exit code and all
-    the shards' stdout (printed, with their stderr, for the test's report)."""
+    """Run a script's cases split into `shards` processes at once: the first failing shard's exit
+    code (0 if none failed) and all the shards' stdout (printed, with their stderr, for the test's report)."""
     results = run_at_once([[script_name, *args, "--shard", f"{k}/{shards}"] for k in range(shards)], timeout)
     for result in results:
         print(result.stdout)
         print(result.stderr[-4000:])
-    return max(result.returncode for result in results), "".join(result.stdout for result in results)
+    failed = [result.returncode for result in results if result.returncode != 0]
+    return (failed[0] if failed else 0), "".join(result.stdout for result in results)
 
 
 def shard(items, spec: str | None) -> list:
@@ -67,9 +68,9 @@ def patch_lang_once_per_kernel() -> None:
     """Triton's interpreter (3.7) patches triton.language again at every call of a @triton.jit
     helper inside a kernel (inspect.getmembers over the language modules: a quarter of the arena
     ordering script's time, two thirds of the route-plan script's) and never undoes those nested
-    patches. The kernel's own patch, made at its launch
-    and undone at its end, already covers a helper whose globals hold the same language modules, so
-    such nested calls skip it. Harmless if the interpreter changes: then nothing is patched."""
+    patches until the process ends. Inside one launch, a helper whose language modules that launch
+    has already patched skips it; a launch, and any jit call outside one, patches as before.
+    Harmless if the interpreter changes: then nothing is wrapped."""
     import functools
     import inspect
 
@@ -77,10 +78,19 @@ def patch_lang_once_per_kernel() -> None:
     from triton.runtime import interpreter
 
     patch_lang = getattr(interpreter, "_patch_lang", None)
-    if (patch_lang is None or not hasattr(interpreter, "_LangPatchScope")
+    executor = getattr(interpreter, "GridExecutor", None)
+    if (patch_lang is None or executor is None or not hasattr(interpreter, "_LangPatchScope")
             or getattr(patch_lang, "once_per_kernel", False)):
         return
-    covered: set[int] = set()  # the language modules patched since the running kernel's launch
+    launches: list[set[int]] = []  # per running launch: the language modules patched since it began
+    run_launch = executor.__call__
+
+    def launch(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return run_launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
 
     @functools.cache
     def languages(fn) -> frozenset[int]:
@@ -88,22 +98,16 @@ def patch_lang_once_per_kernel() -> None:
                          if inspect.ismodule(value) and value in (tl, tl.core))
 
     def patch_once(fn):
-        needed = languages(fn)  # never empty: the interpreter asserts a jit function sees a language
-        if covered and needed <= covered:
-            return interpreter._LangPatchScope()  # a helper inside the running kernel: nothing to undo
-        launch = not covered
-        scope = patch_lang(fn)
-        covered.update(needed)
-        if launch:  # the kernel's scope is undone when it ends; so is what `covered` says
-            restore = scope.restore
-
-            def restore_and_forget():
-                covered.clear()
-                restore()
-            scope.restore = restore_and_forget
+        needed = languages(fn)
+        if launches and needed and needed <= launches[-1]:
+            return interpreter._LangPatchScope()  # patched since this launch began: nothing to undo
+        scope = patch_lang(fn)  # asserts, as before, that fn sees a language module
+        if launches:
+            launches[-1].update(needed)
         return scope
 
     patch_once.once_per_kernel = True
+    executor.__call__ = launch
     interpreter._patch_lang = patch_once
 
 
