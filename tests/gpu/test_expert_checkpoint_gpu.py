@@ -8,8 +8,8 @@ that took another step: the next step then equals the source's, which it does no
 optimizer's state. The parameters are bf16, as in training: with fp32 parameters the distributed
 optimizer's main parameters are views of them, and Megatron 0.19.2 loads dp_reshardable state
 into those views with autograd on (an error for any parameter, Megatron's own too). Without Apex
-or Transformer Engine (this GPU machine) Megatron's optimizer is torch's Adam, whose state 0.19.2's
-distributed optimizer cannot load for any parameter: the fixture `torch_adam_step_kept` below.
+or Transformer Engine (this GPU machine) Megatron's optimizer is torch's Adam, whose step 0.19.2's
+distributed optimizer does not load right for any parameter: the fixture `torch_adam_step_kept`.
 """
 
 import pytest
@@ -43,10 +43,12 @@ class _Experts(torch.nn.Module):
 @pytest.fixture
 def torch_adam_step_kept(monkeypatch):
     """Two faults of Megatron 0.19.2's distributed optimizer with torch's Adam (no Apex/TE), for
-    every parameter, Megatron's own too: its load sets each parameter's `step` to one tensor shared
-    by all of them (which torch's foreach Adam then advances once per parameter), and it copies
-    every state tensor of a parameter from the loaded entries, which leave `step` out (KeyError
-    'step'). Here each parameter gets its own copy of that step, handed back to the copy."""
+    every parameter, Megatron's own too. Its load sets each parameter's `step` to one tensor, shared
+    by all of them, holding the checkpoint's step; torch's foreach Adam then advances that tensor
+    once per parameter, so every later step's bias corrections are wrong (dp_reshardable, silently).
+    And it copies a parameter's state tensors from the loaded entries, which for fully_reshardable
+    leave `step` out (KeyError 'step'). Here each parameter gets its own copy of the checkpoint's
+    step, and that copy is what the load copies."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     set_states = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -54,7 +56,7 @@ def torch_adam_step_kept(monkeypatch):
     def own_step(self, model_param, tensors):
         group_index, group_order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        if isinstance(state.get("step"), torch.Tensor) and "step" not in tensors:
+        if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
             tensors = {**tensors, "step": state["step"]}
         return set_states(self, model_param, tensors)
