@@ -146,7 +146,11 @@ def prepare_parsed_args(args) -> None:
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_ext import specs, training_hooks
+    from megatron_ext.optimizer_resume import torch_adam_resume_notice
 
+    resume_notice = torch_adam_resume_notice(args)  # Megatron's fault, any model: said before anything else
+    if resume_notice:
+        _print_once(resume_notice)
     kept_megatrons = _megatrons_moe_layers(args)
     if kept_megatrons is not None:  # a MoE model whose MoE layers megatron_ext does not build
         ext_config = ext_config_from_args(args)

@@ -319,3 +319,30 @@ def test_probabilities_on_the_input_with_mxfp8_payloads_are_refused_at_start_up(
     parse_with(hooked, flags)
     with pytest.raises(launch.MoEExtArgumentError, match="with --moe-ext-mxfp8-dispatch fc1 reads the MXFP8 payload"):
         parse_with(hooked, flags + ["--moe-ext-mxfp8-dispatch"])
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--use-distributed-optimizer", "--save", "CKPT"], True),
+    (["--use-distributed-optimizer", "--load", "CKPT"], True),
+    (["--use-distributed-optimizer"], False),  # nothing saved or loaded
+    (["--save", "CKPT"], False),  # not the distributed optimizer
+    (["--use-distributed-optimizer", "--save", "CKPT", "--optimizer", "sgd"], False)])
+def test_resuming_torch_adam_under_the_distributed_optimizer_is_flagged(hooked, capsys, tmp_path, flags, said):
+    """This machine has neither Apex nor Transformer Engine, as Megatron itself reads it; the notice
+    names Megatron 0.19.2's fault (tests/gpu/test_expert_checkpoint_gpu.py) and what to do."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    assert distrib_optimizer.HAVE_APEX_OR_TE is False  # the flag the notice reads (fails loudly if it goes)
+    parse_with(hooked, [*MOE_MODEL, *(str(tmp_path) if flag == "CKPT" else flag for flag in flags)])
+    out = capsys.readouterr().out
+    assert ("whose step megatron-core 0.19.2 does not resume right" in out) is said, out
+    if said:
+        assert "--no-load-optim" in out and "KeyError 'step'" in out
+
+
+def test_no_resume_notice_with_apex_or_transformer_engine(hooked, capsys, tmp_path, monkeypatch):
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    parse_with(hooked, [*MOE_MODEL, "--use-distributed-optimizer", "--save", str(tmp_path)])
+    assert "does not resume right" not in capsys.readouterr().out
