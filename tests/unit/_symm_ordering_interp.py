@@ -46,8 +46,6 @@ serialize_kernels(put_return)
 serialize_kernels(route_plan, names=("select_routes", "select_backward", "plan_and_place"))
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 32, 8, 2, 2
-# The transport's phase barriers (SymmRowTransport._fence's names), each of which --drop-barrier can drop
-PHASES = ("route-count exchange", "dispatch", "combine", "combine backward", "dispatch backward")
 
 # name: (world, capacity factor, lease slots, schedule, poison, delay mode, steps)
 # A schedule is the per-step order of forward (F) and backward (B) microbatches.
@@ -169,18 +167,9 @@ def run_case(name: str, seed: int = 0):
     return failures, dropped, PEERS.barriers_passed
 
 
-def _drop_fences(dropped) -> None:
-    """Every rank skips the transport's phase barriers for which `dropped(transport, phase)` holds."""
-    kept_fence = SymmRowTransport._fence
-
-    def fence_unless_dropped(self, buffer, phase):
-        if not dropped(self, phase):
-            kept_fence(self, buffer, phase)
-    SymmRowTransport._fence = fence_unless_dropped
-
-
 def main() -> int:
     from tests.unit.interpreter import patch_lang_once_per_kernel, shard
+    from tests.unit.symm_mutations import PHASES, drop_fences
 
     patch_lang_once_per_kernel()
     parser = argparse.ArgumentParser()
@@ -195,9 +184,9 @@ def main() -> int:
     parser.add_argument("--shard", metavar="K/N", help="run every Nth chosen case from the Kth (0-based)")
     args = parser.parse_args()
     if args.drop_barrier:
-        _drop_fences(lambda transport, phase: phase == args.drop_barrier)
+        drop_fences(lambda transport, phase: phase == args.drop_barrier)
     if args.unfenced_put_back:
-        _drop_fences(lambda transport, phase: transport.return_put and phase in ("combine", "dispatch backward"))
+        drop_fences(lambda transport, phase: transport.return_put and phase in ("combine", "dispatch backward"))
     if args.unfenced_poison:  # the pre-fix behaviour: fill without ordering against peers
         from megatron_ext.moe import buffers
 
