@@ -197,7 +197,7 @@ def main() -> int:
         return 2
     sys.path.insert(0, REPO)
     from tests.unit.interpreter import patch_lang_once_per_kernel, shard
-    from tests.unit.symm_mutations import PHASES, drop_fences
+    from tests.unit.symm_mutations import PHASES, drop_fences, unfence_poison
 
     patch_lang_once_per_kernel()
     parser = argparse.ArgumentParser()
@@ -206,9 +206,13 @@ def main() -> int:
     parser.add_argument("--late-rank", type=int, help="the stack cases' late rank (default: each case's own)")
     parser.add_argument("--drop-barrier", choices=PHASES, help="drop this phase's barrier on every rank (a "
                                                               "mutation: the run must then fail)")
+    parser.add_argument("--unfenced-poison", action="store_true", help="poison fills without their barrier (a "
+                                                                         "mutation: the poisoned cases must fail)")
     args = parser.parse_args()
     if args.drop_barrier:
         drop_fences(lambda transport, phase: phase == args.drop_barrier)
+    if args.unfenced_poison:
+        unfence_poison()
     failed = [run_stack_case(name, args.late_rank) if name in STACK_CASES else run_case(name)
               for name in shard(args.case or {**CASES, **STACK_CASES}, args.shard)]
     return 1 if any(failed) else 0

@@ -169,7 +169,7 @@ def run_case(name: str, seed: int = 0):
 
 def main() -> int:
     from tests.unit.interpreter import patch_lang_once_per_kernel, shard
-    from tests.unit.symm_mutations import PHASES, drop_fences
+    from tests.unit.symm_mutations import PHASES, drop_fences, unfence_poison
 
     patch_lang_once_per_kernel()
     parser = argparse.ArgumentParser()
@@ -188,11 +188,7 @@ def main() -> int:
     if args.unfenced_put_back:
         drop_fences(lambda transport, phase: transport.return_put and phase in ("combine", "dispatch backward"))
     if args.unfenced_poison:  # the pre-fix behaviour: fill without ordering against peers
-        from megatron_ext.moe import buffers
-
-        def unfenced(buffer, fence=None):
-            buffers.poison(buffer)
-        buffers.poison_then_fence = symm.poison_then_fence = unfenced
+        unfence_poison()
     bad = 0
     chosen = args.case or (FUSED_CASES if args.fused_route_map else PUT_RETURN_CASES if args.return_put else CASES)
     for name in shard(chosen, args.shard):

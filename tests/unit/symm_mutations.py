@@ -17,3 +17,14 @@ def drop_fences(dropped) -> None:
         if not dropped(self, phase):
             kept_fence(self, buffer, phase)
     SymmRowTransport._fence = fence_unless_dropped
+
+
+def unfence_poison() -> None:
+    """The pre-fix debug poison: the owner's NaN fill of a buffer peers PUT into, with no barrier
+    before their PUTs (a fast peer's rows land first and are wiped). For every rank forked later."""
+    from megatron_ext.moe import arena, buffers
+    from megatron_ext.moe.transport import symm
+
+    def unfenced(buffer, fence=None):
+        buffers.poison(buffer)
+    buffers.poison_then_fence = symm.poison_then_fence = arena.poison_then_fence = unfenced

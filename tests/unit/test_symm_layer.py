@@ -5,7 +5,8 @@ layer runs as in training, each rank a process with its own Megatron state, its 
 into the peers' buffers in a shared-memory pool: one step against the dense oracle (drops,
 debug poison, PUT return, uneven tokens), and stacks of layers over several steps bitwise equal
 to the torch transport with a late rank (two live microbatches, the dropless arena spilling,
-MXFP8 payloads, PUT return at EP=4).
+MXFP8 payloads, PUT return at EP=4). Dropping any phase barrier, or the poison fill's barrier,
+must make the results differ.
 """
 
 from tests.unit.interpreter import run_at_once, run_shards
@@ -27,3 +28,12 @@ def test_each_phase_barrier_is_needed_in_the_layer():
         assert proc.returncode == 1, (phase, proc.stdout + proc.stderr[-3000:])
         assert "FAIL ep2_two_live_microbatches_poison: EP=2" in proc.stdout and "tensor" in proc.stdout, \
             (phase, proc.stdout)
+
+
+def test_unfenced_poison_is_caught_in_the_layer():
+    """The first two-GPU run's race: the owner's poison fill with no barrier before peers' PUTs. In the layer,
+    with two live microbatches and in the dropless arena, the late rank's fill wipes rows: NaN in the results."""
+    proc, = run_at_once([["_symm_layer_interp.py", "--unfenced-poison", "--case", "ep2_two_live_microbatches_poison",
+                          "--case", "ep2_arena_spill_poison"]])
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("FAIL ep2_") == 2 and "NaN" in proc.stdout, proc.stdout
