@@ -38,10 +38,11 @@ class ForkedPeers:
         ctx = mp.get_context("fork")
         self.world, self.bytes_per_rank = world, bytes_per_rank
         self.pool = torch.zeros(world * bytes_per_rank, dtype=torch.uint8).share_memory_()
-        # allocation index -> (offset, bytes) as the first rank to make it saw it
-        self.ledger = torch.full((_LEDGER_ENTRIES, 2), -1, dtype=torch.int64).share_memory_()
-        self.arriving = torch.full((world,), -1, dtype=torch.int64).share_memory_()
-        self.finished = torch.zeros(1, dtype=torch.int64).share_memory_()  # ranks done (or failed)
+        # The bookkeeping lives in plain shared arrays, not tensors: a sync audit in the layer counts
+        # host reads of tensors, and the simulation's own must not count as the layer's.
+        self.ledger = ctx.RawArray("q", [-1] * (2 * _LEDGER_ENTRIES))  # allocation i: offset, bytes at [2i, 2i+1]
+        self.arriving = ctx.RawArray("q", [-1] * world)  # the allocation each rank barriers on
+        self.finished = ctx.RawValue("q", 0)  # ranks done (or failed)
         self._ledger_lock = ctx.Lock()
         self._barrier = ctx.Barrier(world, action=self._check_same_allocation, timeout=timeout_s)
         self.timeout_s = timeout_s
@@ -62,12 +63,12 @@ class ForkedPeers:
             raise
         finally:
             with self._ledger_lock:
-                self.finished += 1
+                self.finished.value += 1
 
     def wait_until_peers_parked(self) -> None:
         """Block until each other rank waits at a barrier or has finished."""
         deadline = time.monotonic() + self.timeout_s
-        while self._barrier.n_waiting + int(self.finished) < self.world - 1:
+        while self._barrier.n_waiting + self.finished.value < self.world - 1:
             if self._barrier.broken:
                 return  # a peer failed: run_on_ranks reports it
             if time.monotonic() > deadline:
@@ -77,7 +78,7 @@ class ForkedPeers:
     def _check_same_allocation(self) -> None:
         """Run once all ranks arrived, before any leaves (one Barrier stands in for every
         allocation's signal pad, so ranks barriering on different allocations would meet here)."""
-        arriving = self.arriving.tolist()
+        arriving = list(self.arriving)
         if len(set(arriving)) > 1:
             raise RuntimeError(f"forked ranks met at barriers of different symmetric allocations {arriving} "
                                f"(by rank): every rank must call the same barriers in the same order")
@@ -86,12 +87,12 @@ class ForkedPeers:
         if index >= _LEDGER_ENTRIES:
             raise RuntimeError(f"more than {_LEDGER_ENTRIES} symmetric allocations on forked ranks")
         with self._ledger_lock:
-            if int(self.ledger[index, 0]) < 0:
-                self.ledger[index] = torch.tensor([offset, nbytes])
-            elif self.ledger[index].tolist() != [offset, nbytes]:
-                raise RuntimeError(f"forked ranks allocated out of order: allocation {index} is "
-                                   f"{self.ledger[index].tolist()} (offset, bytes) on another rank, "
-                                   f"{[offset, nbytes]} here")
+            entry = self.ledger[2 * index: 2 * index + 2]
+            if entry[0] < 0:
+                self.ledger[2 * index: 2 * index + 2] = [offset, nbytes]
+            elif entry != [offset, nbytes]:
+                raise RuntimeError(f"forked ranks allocated out of order: allocation {index} is {entry} (offset, "
+                                   f"bytes) on another rank, {[offset, nbytes]} here")
 
 
 class _Barrier:

@@ -50,6 +50,13 @@ STACK_CASES = {
 }
 TOKENS, HIDDEN, FFN, EXPERTS, TOPK = 16, 32, 16, 8, 2
 
+# name -> (EP ranks, MoEExtConfig settings, steps): megatron_ext.tiny_gpt (Megatron's GPTModel with
+# the rowwise layers, Adam, gradient buckets) trained over the symm transport: the same losses,
+# bitwise, as over the torch transport, and no host read in the MoE layers.
+TRAINING_CASES = {
+    "ep2_tiny_gpt_training": (2, dict(capacity_factor=1.0), 4),
+}
+
 
 def _rank(rank, world, peers, ext, case):
     from megatron_ext.config import MoEExtConfig
@@ -163,6 +170,40 @@ def run_stack_case(name: str, late_rank: int | None) -> bool:
     return bool(failures)
 
 
+def _training_rank(rank, world, peers, settings, steps, transport):
+    from megatron_ext.config import MoEExtConfig
+    from megatron_ext.tiny_gpt import TinyGPTConfig, train
+
+    config = MoEExtConfig(transport=transport, **settings)
+    if transport == "torch":
+        return train(rank, world, TinyGPTConfig(), config, steps)
+    return peers.run_rank(rank, lambda heap: train(rank, world, TinyGPTConfig(), config, steps))
+
+
+def run_training_case(name: str) -> bool:
+    """True if the case failed (printed)."""
+    from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
+    from megatron_ext.testing.forked_peers import ForkedPeers
+
+    world, settings, steps = TRAINING_CASES[name]
+    try:
+        got, want = (run_on_ranks(_training_rank, world, ForkedPeers(world), settings, steps, transport,
+                                  sizes=ParallelSizes(ep=world))[0] for transport in ("symm", "torch"))
+    except RankFailure as error:
+        print(f"FAIL {name}: {str(error)[-3000:]}")
+        return True
+    losses = [record["loss"] for record in got]
+    failures = []
+    if losses != [record["loss"] for record in want]:
+        failures.append(f"losses {losses} over symm, {[record['loss'] for record in want]} over torch")
+    if any(record["moe_host_syncs"] for record in got):
+        failures.append(f"host reads in the MoE layers: {[record['moe_host_syncs'] for record in got]}")
+    print(f"{'FAIL' if failures else 'ok'} {name}: EP={world}, losses {[round(loss, 4) for loss in losses]}")
+    for line in failures:
+        print("   ", line)
+    return bool(failures)
+
+
 def run_case(name: str) -> bool:
     """True if the case failed (printed)."""
     from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
@@ -201,7 +242,7 @@ def main() -> int:
 
     patch_lang_once_per_kernel()
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", choices=sorted({**CASES, **STACK_CASES}))
+    parser.add_argument("--case", action="append", choices=sorted({**CASES, **STACK_CASES, **TRAINING_CASES}))
     parser.add_argument("--shard", help="K/N: run every Nth case from the Kth")
     parser.add_argument("--late-rank", type=int, help="the stack cases' late rank (default: each case's own)")
     parser.add_argument("--drop-barrier", choices=PHASES, help="drop this phase's barrier on every rank (a "
@@ -213,8 +254,9 @@ def main() -> int:
         drop_fences(lambda transport, phase: phase == args.drop_barrier)
     if args.unfenced_poison:
         unfence_poison()
-    failed = [run_stack_case(name, args.late_rank) if name in STACK_CASES else run_case(name)
-              for name in shard(args.case or {**CASES, **STACK_CASES}, args.shard)]
+    failed = [run_stack_case(name, args.late_rank) if name in STACK_CASES else
+              run_training_case(name) if name in TRAINING_CASES else run_case(name)
+              for name in shard(args.case or {**CASES, **STACK_CASES, **TRAINING_CASES}, args.shard)]
     return 1 if any(failed) else 0
 
 
