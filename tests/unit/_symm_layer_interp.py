@@ -1,7 +1,7 @@
 """The whole RowwiseMoELayer over the symm transport on forked EP ranks.
 
     TRITON_INTERPRET=1 python tests/unit/_symm_layer_interp.py [--case NAME ...] [--shard K/N]
-        [--late-rank R] [--drop-barrier PHASE]
+        [--late-rank R] [--steps N] [--drop-barrier PHASE ...] [--unfenced-poison]
 
 Each rank is a gloo process with its own Megatron parallel state; the symm transport's heap is a
 shared-memory pool (megatron_ext.testing.forked_peers), so router, dispatcher, autograd and
@@ -9,7 +9,8 @@ experts run as in training and the row kernels (interpreted) store into peers' b
 real, concurrently. CASES check one layer step against the dense oracle (layer_check);
 STACK_CASES check stacks of layers over several steps, bitwise against the torch transport, with
 one rank late. --drop-barrier PHASE drops one of the transport's phase barriers on every rank (a
-mutation: some case must then fail). Prints "ok NAME ..." or "FAIL NAME ..." per case; exits 1
+mutation: some case must then fail; repeated, the cases run once per phase); --unfenced-poison
+drops the poison fill's barrier. Prints "ok NAME ..." or "FAIL NAME ..." per case; exits 1
 on any failure.
 """
 
@@ -127,10 +128,11 @@ def _run_schedule(stack, rank, schedule, steps, skew):
     return results, dropped
 
 
-def _stack_rank(rank, world, peers, name, late_rank):
+def _stack_rank(rank, world, peers, name, late_rank, steps):
     import torch
 
-    world, symm_settings, torch_settings, layers, schedule, steps, skew, _ = STACK_CASES[name]
+    world, symm_settings, torch_settings, layers, schedule, case_steps, skew, _ = STACK_CASES[name]
+    steps = steps or case_steps
 
     def compare(heap):
         # the torch transport's collectives first: a late rank waits for its peers to park at a symm
@@ -145,7 +147,7 @@ def _stack_rank(rank, world, peers, name, late_rank):
     return peers.run_rank(rank, compare, late_rank=late_rank)
 
 
-def run_stack_case(name: str, late_rank: int | None) -> bool:
+def run_stack_case(name: str, late_rank: int | None, steps: int | None) -> bool:
     """True if the case failed (printed)."""
     from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
     from megatron_ext.testing.forked_peers import ForkedPeers
@@ -153,7 +155,7 @@ def run_stack_case(name: str, late_rank: int | None) -> bool:
     world, late_rank = STACK_CASES[name][0], STACK_CASES[name][-1] if late_rank is None else late_rank
     peers = ForkedPeers(world)
     try:
-        results = run_on_ranks(_stack_rank, world, peers, name, late_rank, sizes=ParallelSizes(ep=world))
+        results = run_on_ranks(_stack_rank, world, peers, name, late_rank, steps, sizes=ParallelSizes(ep=world))
     except RankFailure as error:
         print(f"FAIL {name}: {str(error)[-3000:]}")
         return True
@@ -245,18 +247,26 @@ def main() -> int:
     parser.add_argument("--case", action="append", choices=sorted({**CASES, **STACK_CASES, **TRAINING_CASES}))
     parser.add_argument("--shard", help="K/N: run every Nth case from the Kth")
     parser.add_argument("--late-rank", type=int, help="the stack cases' late rank (default: each case's own)")
-    parser.add_argument("--drop-barrier", choices=PHASES, help="drop this phase's barrier on every rank (a "
-                                                              "mutation: the run must then fail)")
+    parser.add_argument("--steps", type=int, help="the stack cases' steps (default: each case's own)")
+    parser.add_argument("--drop-barrier", choices=PHASES, action="append",
+                        help="drop this phase's barrier on every rank (a mutation: the run must then fail); "
+                             "given several times, the chosen cases run once per phase")
     parser.add_argument("--unfenced-poison", action="store_true", help="poison fills without their barrier (a "
                                                                          "mutation: the poisoned cases must fail)")
     args = parser.parse_args()
-    if args.drop_barrier:
-        drop_fences(lambda transport, phase: phase == args.drop_barrier)
     if args.unfenced_poison:
         unfence_poison()
-    failed = [run_stack_case(name, args.late_rank) if name in STACK_CASES else
-              run_training_case(name) if name in TRAINING_CASES else run_case(name)
-              for name in shard(args.case or {**CASES, **STACK_CASES, **TRAINING_CASES}, args.shard)]
+    dropped = set()
+    drop_fences(lambda transport, phase: phase in dropped)  # read at each barrier of the ranks forked later
+    failed = []
+    for phase in args.drop_barrier or [None]:
+        dropped.clear()
+        if phase is not None:
+            dropped.add(phase)
+            print(f"-- without the {phase} barrier")
+        failed += [run_stack_case(name, args.late_rank, args.steps) if name in STACK_CASES else
+                   run_training_case(name) if name in TRAINING_CASES else run_case(name)
+                   for name in shard(args.case or {**CASES, **STACK_CASES, **TRAINING_CASES}, args.shard)]
     return 1 if any(failed) else 0
 
 

@@ -20,21 +20,20 @@ def test_layer_over_symm_transport_on_forked_ranks():
     assert out.count("\nok ") + out.startswith("ok ") == 10, out
 
 
-def test_each_phase_barrier_is_needed_in_the_layer():
+def test_each_barrier_is_needed_in_the_layer():
     """Without any one of the transport's phase barriers the late rank reads rows or counts before its peer
-    wrote them, or the peer overwrites what it still reads: the layer's results must differ."""
-    case = ["--case", "ep2_two_live_microbatches_poison"]
-    procs = run_at_once([["_symm_layer_interp.py", *case, "--drop-barrier", phase] for phase in PHASES])
-    for phase, proc in zip(PHASES, procs):
-        assert proc.returncode == 1, (phase, proc.stdout + proc.stderr[-3000:])
-        assert "FAIL ep2_two_live_microbatches_poison: EP=2" in proc.stdout and "tensor" in proc.stdout, \
-            (phase, proc.stdout)
-
-
-def test_unfenced_poison_is_caught_in_the_layer():
-    """The first two-GPU run's race: the owner's poison fill with no barrier before peers' PUTs. In the layer,
-    with two live microbatches and in the dropless arena, the late rank's fill wipes rows: NaN in the results."""
-    proc, = run_at_once([["_symm_layer_interp.py", "--unfenced-poison", "--case", "ep2_two_live_microbatches_poison",
-                          "--case", "ep2_arena_spill_poison"]])
-    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("FAIL ep2_") == 2 and "NaN" in proc.stdout, proc.stdout
+    wrote them, or the peer overwrites what it still reads; without the poison fill's barrier (the first
+    two-GPU run's race) the late rank's fill wipes rows peers already PUT (two live microbatches, and in the
+    arena): the layer's results must differ. One step each; the two mutations run in two processes at once."""
+    dropped = [arg for phase in PHASES for arg in ("--drop-barrier", phase)]
+    phases, poison = run_at_once([
+        ["_symm_layer_interp.py", "--case", "ep2_two_live_microbatches_poison", "--steps", "1", *dropped],
+        ["_symm_layer_interp.py", "--unfenced-poison", "--case", "ep2_two_live_microbatches_poison", "--case",
+         "ep2_arena_spill_poison", "--steps", "1"]])
+    assert phases.returncode == 1, phases.stdout + phases.stderr[-3000:]
+    runs = phases.stdout.split("-- without the ")[1:]
+    assert [run.split(" barrier")[0] for run in runs] == list(PHASES), phases.stdout
+    for run in runs:
+        assert "FAIL ep2_two_live_microbatches_poison: EP=2" in run and "tensor" in run, run
+    assert poison.returncode == 1, poison.stdout + poison.stderr[-3000:]
+    assert poison.stdout.count("FAIL ep2_") == 2 and "NaN" in poison.stdout, poison.stdout
