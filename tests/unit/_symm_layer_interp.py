@@ -178,8 +178,9 @@ def _training_rank(rank, world, peers, settings, steps, transport):
 
     config = MoEExtConfig(transport=transport, **settings)
     if transport == "torch":
-        return train(rank, world, TinyGPTConfig(), config, steps)
-    return peers.run_rank(rank, lambda heap: train(rank, world, TinyGPTConfig(), config, steps))
+        return train(rank, world, TinyGPTConfig(), config, steps), 0
+    return peers.run_rank(rank, lambda heap: (train(rank, world, TinyGPTConfig(), config, steps),
+                                              heap.barriers_passed))
 
 
 def run_training_case(name: str) -> bool:
@@ -189,18 +190,20 @@ def run_training_case(name: str) -> bool:
 
     world, settings, steps = TRAINING_CASES[name]
     try:
-        got, want = (run_on_ranks(_training_rank, world, ForkedPeers(world), settings, steps, transport,
-                                  sizes=ParallelSizes(ep=world))[0] for transport in ("symm", "torch"))
+        (got, barriers), (want, _) = (run_on_ranks(_training_rank, world, ForkedPeers(world), settings, steps,
+                                                   transport, sizes=ParallelSizes(ep=world))[0]
+                                      for transport in ("symm", "torch"))
     except RankFailure as error:
         print(f"FAIL {name}: {str(error)[-3000:]}")
         return True
     losses = [record["loss"] for record in got]
-    failures = []
+    failures = [] if barriers > 0 else ["rank 0 passed no symm barrier"]
     if losses != [record["loss"] for record in want]:
         failures.append(f"losses {losses} over symm, {[record['loss'] for record in want]} over torch")
     if any(record["moe_host_syncs"] for record in got):
         failures.append(f"host reads in the MoE layers: {[record['moe_host_syncs'] for record in got]}")
-    print(f"{'FAIL' if failures else 'ok'} {name}: EP={world}, losses {[round(loss, 4) for loss in losses]}")
+    print(f"{'FAIL' if failures else 'ok'} {name}: EP={world}, barriers {barriers} (rank 0), losses "
+          f"{[round(loss, 4) for loss in losses]}")
     for line in failures:
         print("   ", line)
     return bool(failures)
