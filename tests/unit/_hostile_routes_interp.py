@@ -46,13 +46,11 @@ def buffers(M, C, H, dtype, fill=SENTINEL):
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
-        return 2
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from tests.unit.interpreter import patch_lang_once_per_kernel
+    from tests.unit.interpreter import interpreter_ready
 
-    patch_lang_once_per_kernel()
+    if not interpreter_ready():
+        return 2
     from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
     from megatron_ext.kernels.row_transfer import get_rows, peer_table_from_buffers, put_rows
     from megatron_ext.formats.mxfp8 import packed_row_bytes

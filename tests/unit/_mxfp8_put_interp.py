@@ -128,13 +128,11 @@ def check_symm_transport() -> bool:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
-        return 2
     sys.path.insert(0, REPO)
-    from tests.unit.interpreter import patch_lang_once_per_kernel
+    from tests.unit.interpreter import interpreter_ready
 
-    patch_lang_once_per_kernel()
+    if not interpreter_ready():
+        return 2
     warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)  # numpy on 448 * 2^127
     import torch
 

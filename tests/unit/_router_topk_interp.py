@@ -247,13 +247,11 @@ def check_ties() -> None:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
-        return 2
-    from tests.unit.interpreter import fix_interpreter_bf16_dot, patch_lang_once_per_kernel
+    from tests.unit.interpreter import fix_interpreter_bf16_dot, interpreter_ready
 
+    if not interpreter_ready():
+        return 2
     fix_interpreter_bf16_dot()
-    patch_lang_once_per_kernel()
     cases = [  # T, E, K, pre_softmax, scale, dtype
         (70, 8, 2, False, None, torch.float32),
         (45, 6, 2, False, None, torch.float32),      # E not a power of two, T not a multiple of 32

@@ -243,13 +243,11 @@ def check_in_place(dtype, T: int, K: int, C: int, seed: int, failures: list[str]
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
-        return 2
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from tests.unit.interpreter import patch_lang_once_per_kernel
+    from tests.unit.interpreter import interpreter_ready
 
-    patch_lang_once_per_kernel()
+    if not interpreter_ready():
+        return 2
     failures: list[str] = []
     cases = 0
     for M in (1, 2, 4):

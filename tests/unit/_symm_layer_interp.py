@@ -238,14 +238,12 @@ def run_case(name: str) -> bool:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
-        return 2
     sys.path.insert(0, REPO)
-    from tests.unit.interpreter import patch_lang_once_per_kernel, shard
+    from tests.unit.interpreter import interpreter_ready, shard
     from tests.unit.symm_mutations import PHASES, drop_fences, unfence_poison
 
-    patch_lang_once_per_kernel()
+    if not interpreter_ready():
+        return 2
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", action="append", choices=sorted({**CASES, **STACK_CASES, **TRAINING_CASES}))
     parser.add_argument("--shard", help="K/N: run every Nth case from the Kth")

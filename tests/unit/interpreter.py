@@ -62,6 +62,17 @@ def shard(items, spec: str | None) -> list:
     return items[index::count]
 
 
+def interpreter_ready() -> bool:
+    """An interpreter script's first call (with the repository on sys.path): False, after saying so,
+    unless TRITON_INTERPRET=1 is set; else Triton's per-helper re-patch is skipped
+    (`patch_lang_once_per_kernel`) and True."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
+        return False
+    patch_lang_once_per_kernel()
+    return True
+
+
 def patch_lang_once_per_kernel() -> None:
     """Triton's interpreter (3.7) patches triton.language again at every call of a @triton.jit
     helper inside a kernel (inspect.getmembers over the language modules: a quarter of the arena
