@@ -10,7 +10,9 @@ How: the parent allocates one shared-memory pool (`share_memory_`, mapped MAP_SH
 it forks the ranks, so every child sees every rank's region at the same address. A rank's
 heap hands out its region's bytes by call order (every rank allocates in the same order, as
 with torch symmetric memory; a shared ledger checks that they agree), and a peer table holds
-the same offset in every rank's region. A barrier is a multiprocessing.Barrier over the ranks,
+the same offset in every rank's region. The pool starts as 0xFF bytes (NaN in float rows, -1 in
+integer ones), not zeros: symmetric memory on GPUs starts uninitialized, and a row no one wrote
+must not pass for a dropped route's zero. A barrier is a multiprocessing.Barrier over the ranks,
 which checks that all of them barrier on the same allocation. Processes run their kernels
 concurrently, as GPUs do: the only cross-rank order is the barrier, the contract the GPU
 transport relies on. The row kernels use no atomics on peer memory (the interpreter's are
@@ -19,13 +21,15 @@ atomic within one process only).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import threading
-import time
 
 import torch
 
 from megatron_ext.moe.buffers import SymmetricBuffer
+from megatron_ext.testing.threaded_peers import (PeerBarrier, ScratchByRole, around_kernels, check_same_allocation,
+                                                 wait_until_parked)
 
 _ALIGN = 256  # bytes between allocations, as a GPU allocator would align them
 _LEDGER_ENTRIES = 4096
@@ -36,26 +40,30 @@ class ForkedPeers:
 
     def __init__(self, world: int, bytes_per_rank: int = 4 << 20, timeout_s: float = 60.0):
         ctx = mp.get_context("fork")
-        self.world, self.bytes_per_rank = world, bytes_per_rank
-        self.pool = torch.zeros(world * bytes_per_rank, dtype=torch.uint8).share_memory_()
+        self.world, self.bytes_per_rank, self.timeout_s = world, bytes_per_rank, timeout_s
+        self.pool = torch.full((world * bytes_per_rank,), 0xFF, dtype=torch.uint8).share_memory_()
         # The bookkeeping lives in plain shared arrays, not tensors: a sync audit in the layer counts
         # host reads of tensors, and the simulation's own must not count as the layer's.
         self.ledger = ctx.RawArray("q", [-1] * (2 * _LEDGER_ENTRIES))  # allocation i: offset, bytes at [2i, 2i+1]
         self.arriving = ctx.RawArray("q", [-1] * world)  # the allocation each rank barriers on
         self.finished = ctx.RawValue("q", 0)  # ranks done (or failed)
         self._ledger_lock = ctx.Lock()
-        self._barrier = ctx.Barrier(world, action=self._check_same_allocation, timeout=timeout_s)
-        self.timeout_s = timeout_s
+        self._barrier = ctx.Barrier(world, action=lambda: check_same_allocation(self.arriving), timeout=timeout_s)
 
     def run_rank(self, rank: int, fn, *args, late_rank: int | None = None):
         """In forked rank `rank`: `fn(heap, *args)` with the layer's symm transports on this rank's heap
-        (`use_forked_heap`). `late_rank`: that rank waits before each of the transport's kernels until
-        its peers are parked at a barrier or done, so they run ahead as far as the barriers let them.
-        A failure breaks the barrier, so peers fail at once instead of at its timeout."""
-        heap = ForkedHeap(self, rank)
+        (`use_forked_heap`). `late_rank`: that rank, before each of the transport's kernels and after
+        each barrier, waits until its peers are parked at a barrier or done, so they run ahead as far
+        as the barriers let them (and in no other wait: a gloo collective between barriers would hold
+        them, so callers run such collectives before or after the late rank's symm work). A failure
+        breaks the barrier, so peers fail at once instead of at its timeout."""
+        late = rank == late_rank
+        heap = ForkedHeap(self, rank, self.wait_until_peers_parked if late else None)
         use_forked_heap(heap)
-        if late_rank == rank:
-            _before_kernels(self.wait_until_peers_parked)
+        if late:
+            from megatron_ext.moe.transport import symm
+
+            around_kernels(symm, lambda: _after_parked(self))
         try:
             return fn(heap, *args)
         except BaseException:
@@ -66,22 +74,7 @@ class ForkedPeers:
                 self.finished.value += 1
 
     def wait_until_peers_parked(self) -> None:
-        """Block until each other rank waits at a barrier or has finished."""
-        deadline = time.monotonic() + self.timeout_s
-        while self._barrier.n_waiting + self.finished.value < self.world - 1:
-            if self._barrier.broken:
-                return  # a peer failed: run_on_ranks reports it
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"forked peers did not park at a barrier within {self.timeout_s} s")
-            time.sleep(0.0005)
-
-    def _check_same_allocation(self) -> None:
-        """Run once all ranks arrived, before any leaves (one Barrier stands in for every
-        allocation's signal pad, so ranks barriering on different allocations would meet here)."""
-        arriving = list(self.arriving)
-        if len(set(arriving)) > 1:
-            raise RuntimeError(f"forked ranks met at barriers of different symmetric allocations {arriving} "
-                               f"(by rank): every rank must call the same barriers in the same order")
+        wait_until_parked(self._barrier, lambda: self.finished.value, self.world, self.timeout_s)
 
     def _agree(self, index: int, offset: int, nbytes: int) -> None:
         if index >= _LEDGER_ENTRIES:
@@ -95,33 +88,24 @@ class ForkedPeers:
                                    f"bytes) on another rank, {[offset, nbytes]} here")
 
 
-class _Barrier:
-    def __init__(self, peers: ForkedPeers, rank: int, allocation: int, passed: list[int]):
-        self.peers, self.rank, self.allocation, self._passed = peers, rank, allocation, passed
-
-    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
-        self.peers.arriving[self.rank] = self.allocation
-        self.peers._barrier.wait()
-        self._passed[0] += 1
-
-
-class ForkedHeap:
+class ForkedHeap(ScratchByRole):
     """SymmetricHeap of one forked rank: bump allocation in its region of the shared pool."""
 
-    def __init__(self, peers: ForkedPeers, rank: int):
-        self.peers, self.rank = peers, rank
+    def __init__(self, peers: ForkedPeers, rank: int, after_barrier=None):
+        self.peers, self.rank, self._after_barrier = peers, rank, after_barrier
         self._count, self._cursor = 0, 0
         self._scratch: dict[tuple, SymmetricBuffer] = {}
-        self._passed = [0]
+        self.barriers_passed = 0
         self._lock = threading.Lock()  # the autograd thread allocates too
-
-    @property
-    def barriers_passed(self) -> int:
-        return self._passed[0]
 
     @property
     def bytes_used(self) -> int:
         return self._cursor
+
+    def _passed(self) -> None:
+        self.barriers_passed += 1
+        if self._after_barrier is not None:
+            self._after_barrier()
 
     def allocate(self, shape, dtype, device) -> SymmetricBuffer:
         if torch.device(device).type != "cpu":
@@ -136,37 +120,22 @@ class ForkedHeap:
                                f"pass a larger bytes_per_rank to ForkedPeers")
         self.peers._agree(index, offset, nbytes)
         size = self.peers.bytes_per_rank
-        # A tensor of its own over the pool's storage (zero: the pool starts zeroed, and no region is
-        # handed out twice): a slice would share the pool's version counter with every other
-        # allocation, and autograd would take one buffer's poison fill for a change of another's rows.
+        # A tensor of its own over the pool's storage: a slice would share the pool's version counter
+        # with every other allocation, and autograd would take one buffer's poison fill for a change
+        # of another's rows. No region is handed out twice, so it holds the pool's 0xFF until written.
         local = torch.empty(0, dtype=torch.uint8).set_(self.peers.pool.untyped_storage(), self.rank * size + offset,
                                                        (nbytes,))
         local = local.view(dtype).view(shape)
         base = self.peers.pool.data_ptr() + offset
         table = torch.tensor([base + r * size for r in range(self.peers.world)], dtype=torch.int64)
-        return SymmetricBuffer(local, table, _Barrier(self.peers, self.rank, index, self._passed))
-
-    def scratch(self, role, shape, dtype, device) -> SymmetricBuffer:
-        key = (role, tuple(shape), dtype)
-        if key not in self._scratch:
-            self._scratch[key] = self.allocate(shape, dtype, device)
-        return self._scratch[key]
+        return SymmetricBuffer(local, table, PeerBarrier(self.peers._barrier, self.peers.arriving, self.rank, index,
+                                                         self._passed))
 
 
-def _before_kernels(wait) -> None:
-    """Call `wait()` before each of the symm transport's kernel entry points, in this process."""
-    from megatron_ext.moe.transport import symm
-    from megatron_ext.testing.threaded_peers import KERNEL_ENTRY_POINTS
-
-    for name in KERNEL_ENTRY_POINTS:
-        kernel = getattr(symm, name, None)
-        if kernel is None:
-            continue
-
-        def waited(*args, _kernel=kernel, **kwargs):
-            wait()
-            return _kernel(*args, **kwargs)
-        setattr(symm, name, waited)
+@contextlib.contextmanager
+def _after_parked(peers: ForkedPeers):
+    peers.wait_until_peers_parked()
+    yield
 
 
 def use_forked_heap(heap: ForkedHeap) -> None:

@@ -27,11 +27,58 @@ import torch
 from megatron_ext.moe.buffers import SymmetricBuffer
 
 
+def check_same_allocation(arriving) -> None:
+    """A simulated barrier's action, run once all ranks arrived and before any leaves. One barrier
+    stands in for every allocation's signal pad, so ranks that barrier on different allocations
+    would meet here where on GPUs each would wait on its own pad for peers that never come."""
+    if len(set(arriving)) > 1:
+        raise RuntimeError(f"simulated ranks met at barriers of different symmetric allocations {list(arriving)} "
+                           f"(by rank): every rank must call the same barriers in the same order")
+
+
+def wait_until_parked(barrier, finished, world: int, timeout_s: float) -> None:
+    """Block the calling rank until each other rank waits at `barrier` or has finished (`finished()`
+    ranks): they have then done every write the barriers allow before this rank's next phase."""
+    deadline = time.monotonic() + timeout_s
+    while barrier.n_waiting + finished() < world - 1:
+        if barrier.broken:
+            return  # a peer failed: the runner reports it
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"simulated peers did not park at a barrier within {timeout_s} s")
+        time.sleep(0.0005)
+
+
+class PeerBarrier:
+    """One rank's barrier on one symmetric allocation: note the allocation (`arriving[rank]`, read by
+    `check_same_allocation`), wait for every rank, then `passed()`."""
+
+    def __init__(self, barrier, arriving, rank: int, allocation: int, passed):
+        self._barrier, self._arriving, self.rank, self.allocation, self._passed = (barrier, arriving, rank,
+                                                                                 allocation, passed)
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        self._arriving[self.rank] = self.allocation
+        self._barrier.wait()
+        self._passed()
+
+
+class ScratchByRole:
+    """A SymmetricHeap's shared scratch: one allocation per (role, shape, dtype) for all layers, as
+    TorchSymmetricHeap's. Needs `allocate` and a `_scratch` dict."""
+
+    def scratch(self, role, shape, dtype, device) -> SymmetricBuffer:
+        key = (role, tuple(shape), dtype)
+        if key not in self._scratch:
+            self._scratch[key] = self.allocate(shape, dtype, device)
+        return self._scratch[key]
+
+
 class ThreadedPeers:
     def __init__(self, world: int, timeout_s: float = 60.0):
         self.world = world
-        self._barrier = threading.Barrier(world, action=self._check_same_allocation, timeout=timeout_s)
         self._arriving: list[int | None] = [None] * world  # the allocation each rank barriers on
+        self._barrier = threading.Barrier(world, action=lambda: check_same_allocation(self._arriving),
+                                          timeout=timeout_s)
         self._lock = threading.Lock()
         self._allocations: list[list[torch.Tensor]] = []
         self.barriers_passed = [0] * world
@@ -51,15 +98,6 @@ class ThreadedPeers:
                                f"{tuple(buffers[0].shape)} {buffers[0].dtype}, "
                                f"this rank asked for {tuple(shape)} {dtype}")
         return buffers
-
-    def _check_same_allocation(self) -> None:
-        """Run once all ranks arrived, before any leaves. One threading.Barrier stands in for every
-        allocation's signal pad, so ranks that barrier on different allocations would meet here
-        where on GPUs each would wait on its own pad for peers that never come."""
-        if len(set(self._arriving)) > 1:
-            raise RuntimeError(f"simulated ranks met at barriers of different symmetric allocations "
-                               f"{self._arriving} (by rank): every rank must call the same barriers in the "
-                               f"same order")
 
     def run(self, fn, *args) -> list:
         """fn(rank, *args) on every rank's thread; returns the results, re-raises the first error."""
@@ -90,28 +128,13 @@ class ThreadedPeers:
         return results
 
     def wait_until_peers_parked(self, timeout_s: float = 60.0) -> None:
-        """Block the calling rank until each other rank waits at a barrier or has finished: they
-        have then done every write the barriers allow before this rank's next phase."""
-        deadline = time.monotonic() + timeout_s
-        while self._barrier.n_waiting + self._finished < self.world - 1:
-            if self._barrier.broken:
-                return  # a peer failed: run() reports it
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"simulated peers did not park at a barrier within {timeout_s} s")
-            time.sleep(0.0005)
+        wait_until_parked(self._barrier, lambda: self._finished, self.world, timeout_s)
+
+    def _passed(self, rank: int) -> None:
+        self.barriers_passed[rank] += 1
 
 
-class _Barrier:
-    def __init__(self, peers: ThreadedPeers, rank: int, allocation: int):
-        self.peers, self.rank, self.allocation = peers, rank, allocation
-
-    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
-        self.peers._arriving[self.rank] = self.allocation
-        self.peers._barrier.wait()
-        self.peers.barriers_passed[self.rank] += 1
-
-
-class RankHeap:
+class RankHeap(ScratchByRole):
     """SymmetricHeap of one simulated rank."""
 
     def __init__(self, peers: ThreadedPeers, rank: int):
@@ -126,13 +149,9 @@ class RankHeap:
         buffers = self.peers._collective_alloc(index, tuple(shape), dtype)
         self._count += 1
         table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-        return SymmetricBuffer(buffers[self.rank], table, _Barrier(self.peers, self.rank, index))
-
-    def scratch(self, role, shape, dtype, device) -> SymmetricBuffer:
-        key = (role, tuple(shape), dtype)
-        if key not in self._scratch:
-            self._scratch[key] = self.allocate(shape, dtype, device)
-        return self._scratch[key]
+        passed = functools.partial(self.peers._passed, self.rank)
+        return SymmetricBuffer(buffers[self.rank], table,
+                               PeerBarrier(self.peers._barrier, self.peers._arriving, self.rank, index, passed))
 
 
 def sleep_ms(ms: float) -> None:
@@ -181,16 +200,22 @@ _KERNEL_LOCK = threading.Lock()
 KERNEL_ENTRY_POINTS = ("put_rows", "get_rows", "put_rows_mxfp8", "copy_rows_below", "put_rows_back")
 
 
-def serialize_kernels(module, names=KERNEL_ENTRY_POINTS) -> None:
-    """Wrap `module`'s kernel entry points (e.g. moe.transport.symm) with one process-wide lock."""
+def around_kernels(module, before, names=KERNEL_ENTRY_POINTS, mark: str = "_around") -> None:
+    """Call `module`'s kernel entry points (e.g. moe.transport.symm) inside `before()`, a context
+    manager; an entry point already wrapped under `mark` is left as it is."""
     for name in names:
         fn = getattr(module, name, None)
-        if fn is None or getattr(fn, "_serialized", False):
+        if fn is None or getattr(fn, mark, False):
             continue
 
         @functools.wraps(fn)
-        def locked(*args, _fn=fn, **kwargs):
-            with _KERNEL_LOCK:
+        def wrapped(*args, _fn=fn, **kwargs):
+            with before():
                 return _fn(*args, **kwargs)
-        locked._serialized = True
-        setattr(module, name, locked)
+        setattr(wrapped, mark, True)
+        setattr(module, name, wrapped)
+
+
+def serialize_kernels(module, names=KERNEL_ENTRY_POINTS) -> None:
+    """Wrap `module`'s kernel entry points with one process-wide lock."""
+    around_kernels(module, lambda: _KERNEL_LOCK, names, mark="_serialized")

@@ -60,9 +60,25 @@ TRAINING_CASES = {
 
 
 def _rank(rank, world, peers, ext, case):
+    import torch
+
     from megatron_ext.config import MoEExtConfig
     from megatron_ext.specs import moe_builder
+    from megatron_ext.testing.megatron_moe import rank_tokens
     from tests.layer_check import run_and_compare
+
+    def torch_transport_keep(layer):
+        """The routes the torch transport's layer keeps on the same weights and tokens (its own count
+        exchange, by gloo): the oracle's keep set, once the symm layer is shown to keep exactly those."""
+        reference = moe_builder(MoEExtConfig(transport="torch", **_torch_settings(ext)))(config=layer.config)
+        reference.load_state_dict(layer.state_dict())
+        x, _ = rank_tokens(rank, case.tokens_of(rank), case.hidden, case.dtype)
+        reference(x.view(-1, 1, case.hidden))
+        kept, mine = reference.token_dispatcher.kept_route_mask(), layer.token_dispatcher.kept_route_mask()
+        if not torch.equal(mine, kept):
+            raise AssertionError(f"rank {rank}: the symm layer keeps {int(mine.sum())} routes, the torch transport's "
+                                 f"{int(kept.sum())}; they differ at {int((mine != kept).sum())}")
+        return kept
 
     def compare(heap):
         layers = []
@@ -71,13 +87,18 @@ def _rank(rank, world, peers, ext, case):
             layers.append(moe_builder(MoEExtConfig(transport="symm", **ext))(config=config))
             return layers[0]
 
-        run_and_compare(rank, case, build, keep_of=lambda layer: layer.token_dispatcher.kept_route_mask())
+        run_and_compare(rank, case, build, keep_of=torch_transport_keep)
         dispatcher = layers[0].token_dispatcher
         return dict(barriers=heap.barriers_passed, dropped=int((dispatcher.route_map.dest_row < 0).sum()),
                     transport=type(dispatcher.transport).__name__, pool=heap.bytes_used)
 
     # no late rank: run_and_compare's gloo all-gather after the step would hold the peers it waits for
     return peers.run_rank(rank, compare)
+
+
+def _torch_settings(settings: dict) -> dict:
+    """The settings without those of the symm transport alone."""
+    return {key: value for key, value in settings.items() if key != "return_transfer"}
 
 
 def _stack(world, transport, settings, layers, skew):
@@ -98,8 +119,8 @@ def _stack(world, transport, settings, layers, skew):
         weights.router[0] += skew
         load_weights(layer, weights)
         stack.append(layer)
-    attach_arenas(stack)  # layers without dropless_arena are left alone
-    return stack
+    arenas = attach_arenas(stack)  # layers without dropless_arena are left alone
+    return stack, arenas
 
 
 def _run_schedule(stack, rank, schedule, steps, skew):
@@ -137,12 +158,16 @@ def _stack_rank(rank, world, peers, name, late_rank, steps):
     def compare(heap):
         # the torch transport's collectives first: a late rank waits for its peers to park at a symm
         # barrier or finish, and a peer blocked in a gloo collective would be neither
-        want, want_dropped = _run_schedule(_stack(world, "torch", torch_settings, layers, skew), rank, schedule,
+        want, want_dropped = _run_schedule(_stack(world, "torch", torch_settings, layers, skew)[0], rank, schedule,
                                            steps, skew)
-        got, dropped = _run_schedule(_stack(world, "symm", symm_settings, layers, skew), rank, schedule, steps, skew)
-        wrong = [f"tensor {index}: max err {float((a - b).abs().max()):.3g}, {int(torch.isnan(a).sum())} NaN"
-                 for index, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
-        return dict(wrong=wrong, dropped=(dropped, want_dropped), barriers=heap.barriers_passed, pool=heap.bytes_used)
+        stack, arenas = _stack(world, "symm", symm_settings, layers, skew)
+        got, dropped = _run_schedule(stack, rank, schedule, steps, skew)
+        wrong = [] if len(got) == len(want) else [f"{len(got)} tensors, the torch transport's {len(want)}"]
+        wrong += [f"tensor {index}: max err {float((a - b).abs().max()):.3g}, {int(torch.isnan(a).sum())} NaN"
+                  for index, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+        return dict(wrong=wrong, dropped=(dropped, want_dropped), barriers=heap.barriers_passed, pool=heap.bytes_used,
+                    transports={type(layer.token_dispatcher.transport).__name__ for layer in stack},
+                    spilled=sum(int(arena.slots[0].cursors[-1].sum()) for arena in arenas), arena=bool(arenas))
 
     return peers.run_rank(rank, compare, late_rank=late_rank)
 
@@ -159,11 +184,15 @@ def run_stack_case(name: str, late_rank: int | None, steps: int | None) -> bool:
     except RankFailure as error:
         print(f"FAIL {name}: {str(error)[-3000:]}")
         return True
-    failures = [f"rank {rank} {line}" for rank, result in enumerate(results) for line in result["wrong"]]
-    failures += [f"rank {rank}: dropped {result['dropped'][0]} routes, the torch transport {result['dropped'][1]}"
-                 for rank, result in enumerate(results) if result["dropped"][0] != result["dropped"][1]]
+    failures = [f"rank {rank}: dropped {result['dropped'][0]} routes, the torch transport {result['dropped'][1]}"
+                for rank, result in enumerate(results) if result["dropped"][0] != result["dropped"][1]]
     if min(result["barriers"] for result in results) == 0:
         failures.append("no rank passed a barrier")
+    if set.union(*(result["transports"] for result in results)) != {"SymmRowTransport"}:
+        failures.append(f"not the symm transport in every layer: {[r['transports'] for r in results]}")
+    if results[0]["arena"] and not any(result["spilled"] for result in results):
+        failures.append("the arena spilled nothing in the last step: its shared area was not exercised")
+    failures += [f"rank {rank} {line}" for rank, result in enumerate(results) for line in result["wrong"]]
     summary = (f"EP={world}, late rank {late_rank}, barriers {[r['barriers'] for r in results]}, dropped "
                f"{[r['dropped'][0] for r in results]}, pool bytes {max(r['pool'] for r in results)}")
     print(f"{'FAIL' if failures else 'ok'} {name}: {summary}")
@@ -177,8 +206,9 @@ def _training_rank(rank, world, peers, settings, steps, transport):
     from megatron_ext.tiny_gpt import TinyGPTConfig, train
 
     config = MoEExtConfig(transport=transport, **settings)
-    if transport == "torch":
+    if peers is None:
         return train(rank, world, TinyGPTConfig(), config, steps), 0
+    # no late rank: the step's gloo collectives (gradient buckets, the loss) would hold the peers it waits for
     return peers.run_rank(rank, lambda heap: (train(rank, world, TinyGPTConfig(), config, steps),
                                               heap.barriers_passed))
 
@@ -190,19 +220,22 @@ def run_training_case(name: str) -> bool:
 
     world, settings, steps = TRAINING_CASES[name]
     try:
-        (got, barriers), (want, _) = (run_on_ranks(_training_rank, world, ForkedPeers(world), settings, steps,
-                                                   transport, sizes=ParallelSizes(ep=world))[0]
-                                      for transport in ("symm", "torch"))
+        got, want = (run_on_ranks(_training_rank, world, peers, settings, steps, transport,
+                                  sizes=ParallelSizes(ep=world))
+                     for peers, transport in ((ForkedPeers(world), "symm"), (None, "torch")))
     except RankFailure as error:
         print(f"FAIL {name}: {str(error)[-3000:]}")
         return True
-    losses = [record["loss"] for record in got]
-    failures = [] if barriers > 0 else ["rank 0 passed no symm barrier"]
-    if losses != [record["loss"] for record in want]:
-        failures.append(f"losses {losses} over symm, {[record['loss'] for record in want]} over torch")
-    if any(record["moe_host_syncs"] for record in got):
-        failures.append(f"host reads in the MoE layers: {[record['moe_host_syncs'] for record in got]}")
-    print(f"{'FAIL' if failures else 'ok'} {name}: EP={world}, barriers {barriers} (rank 0), losses "
+    barriers = [rank_barriers for _, rank_barriers in got]
+    failures = [] if min(barriers) > 0 else [f"a rank passed no symm barrier: {barriers}"]
+    for rank, ((records, _), (reference, _)) in enumerate(zip(got, want)):
+        losses, syncs = [r["loss"] for r in records], [r["moe_host_syncs"] for r in records]
+        if losses != [r["loss"] for r in reference]:
+            failures.append(f"rank {rank}: losses {losses} over symm, {[r['loss'] for r in reference]} over torch")
+        if any(syncs):
+            failures.append(f"rank {rank}: host reads in the MoE layers: {syncs}")
+    losses = [record["loss"] for record in got[0][0]]
+    print(f"{'FAIL' if failures else 'ok'} {name}: EP={world}, barriers {barriers}, losses "
           f"{[round(loss, 4) for loss in losses]}")
     for line in failures:
         print("   ", line)
@@ -229,6 +262,8 @@ def run_case(name: str) -> bool:
         failures.append(f"no rank passed a barrier: {results}")
     if ext.get("capacity_factor") is not None and sum(r["dropped"] for r in results) == 0:
         failures.append("nothing dropped: the kept-routes comparison was not exercised")
+    if ext.get("dropless") and sum(r["dropped"] for r in results):
+        failures.append(f"routes dropped with dropless=True: {[r['dropped'] for r in results]}")
     summary = (f"EP={world}, barriers {[r['barriers'] for r in results]}, dropped {[r['dropped'] for r in results]}, "
                f"pool bytes {max(r['pool'] for r in results)}")
     print(f"{'FAIL' if failures else 'ok'} {name}: {summary}")
