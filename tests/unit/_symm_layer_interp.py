@@ -37,8 +37,8 @@ CASES = {
 # against the same stack over the torch transport (gloo collectives): fresh tokens every step; outputs,
 # input gradients and every weight gradient bitwise equal. The skew sends most tokens' first route to
 # expert 0, so rank 0 receives more rows than a balanced share (the arena then spills). The late rank
-# waits before each of its transport kernels until its peers park at a barrier or finish: they run
-# ahead as far as the barriers let them.
+# waits before each of its transport kernels and after each barrier until its peers park at a barrier
+# or finish: they run ahead as far as the barriers let them.
 STACK_CASES = {
     "ep2_two_live_microbatches_poison": (2, dict(dropless=True, lease_slots=2, debug_poison=True),
                                          dict(dropless=True), 2, "F0 F1 B1 B0", 3, 0.0, 0),
