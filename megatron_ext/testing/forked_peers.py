@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import threading
+import zlib
 
 import torch
 
@@ -44,7 +45,8 @@ class ForkedPeers:
         self.pool = torch.full((world * bytes_per_rank,), 0xFF, dtype=torch.uint8).share_memory_()
         # The bookkeeping lives in plain shared arrays, not tensors: a sync audit in the layer counts
         # host reads of tensors, and the simulation's own must not count as the layer's.
-        self.ledger = ctx.RawArray("q", [-1] * (2 * _LEDGER_ENTRIES))  # allocation i: offset, bytes at [2i, 2i+1]
+        # allocation i: its offset, bytes and a checksum of its shape and dtype at [3i, 3i + 3)
+        self.ledger = ctx.RawArray("q", [-1] * (3 * _LEDGER_ENTRIES))
         self.arriving = ctx.RawArray("q", [-1] * world)  # the allocation each rank barriers on
         self.finished = ctx.RawValue("q", 0)  # ranks done (or failed)
         self._ledger_lock = ctx.Lock()
@@ -76,16 +78,19 @@ class ForkedPeers:
     def wait_until_peers_parked(self) -> None:
         wait_until_parked(self._barrier, lambda: self.finished.value, self.world, self.timeout_s)
 
-    def _agree(self, index: int, offset: int, nbytes: int) -> None:
+    def _agree(self, index: int, offset: int, nbytes: int, shape, dtype) -> None:
+        """Every rank's allocation `index` is the same (offset, bytes, shape and dtype) as the first's."""
         if index >= _LEDGER_ENTRIES:
             raise RuntimeError(f"more than {_LEDGER_ENTRIES} symmetric allocations on forked ranks")
+        mine = [offset, nbytes, zlib.crc32(repr((tuple(shape), str(dtype))).encode())]
         with self._ledger_lock:
-            entry = self.ledger[2 * index: 2 * index + 2]
+            entry = self.ledger[3 * index: 3 * index + 3]
             if entry[0] < 0:
-                self.ledger[2 * index: 2 * index + 2] = [offset, nbytes]
-            elif entry != [offset, nbytes]:
-                raise RuntimeError(f"forked ranks allocated out of order: allocation {index} is {entry} (offset, "
-                                   f"bytes) on another rank, {[offset, nbytes]} here")
+                self.ledger[3 * index: 3 * index + 3] = mine
+            elif entry != mine:
+                raise RuntimeError(f"forked ranks allocated out of order: allocation {index} (offset {offset}, "
+                                   f"{tuple(shape)} {dtype} here) differs from another rank's (offset {entry[0]}, "
+                                   f"{entry[1]} bytes)")
 
 
 class ForkedHeap(ScratchByRole):
@@ -118,7 +123,7 @@ class ForkedHeap(ScratchByRole):
         if self._cursor > self.peers.bytes_per_rank:
             raise RuntimeError(f"the forked ranks' pool ({self.peers.bytes_per_rank} bytes per rank) is full: "
                                f"pass a larger bytes_per_rank to ForkedPeers")
-        self.peers._agree(index, offset, nbytes)
+        self.peers._agree(index, offset, nbytes, shape, dtype)
         size = self.peers.bytes_per_rank
         # A tensor of its own over the pool's storage: a slice would share the pool's version counter
         # with every other allocation, and autograd would take one buffer's poison fill for a change

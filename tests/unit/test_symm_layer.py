@@ -10,6 +10,8 @@ bitwise, and no host read in its MoE layers. Dropping any phase barrier, or the 
 must make the results differ.
 """
 
+import pytest
+
 from tests.unit.interpreter import run_at_once, run_shards
 from tests.unit.symm_mutations import PHASES
 
@@ -37,3 +39,28 @@ def test_each_barrier_is_needed_in_the_layer():
         assert "FAIL ep2_two_live_microbatches_poison: EP=2" in run and "tensor" in run, run
     assert poison.returncode == 1, poison.stdout + poison.stderr[-3000:]
     assert poison.stdout.count("FAIL ep2_") == 2 and "NaN" in poison.stdout, poison.stdout
+
+
+def _misordered_rank(rank, world, peers, mistake):
+    import torch
+
+    def allocate(heap):
+        if mistake == "shape":  # rank 1 asks for the transpose: same bytes, another shape
+            heap.allocate((4, 8) if rank == 0 else (8, 4), torch.float32, "cpu")
+            return None
+        first, second = (heap.allocate((4, 8), torch.float32, "cpu") for _ in range(2))
+        (first if rank == 0 else second).barrier()  # "barrier": ranks meet on different allocations
+    return peers.run_rank(rank, allocate)
+
+
+@pytest.mark.parametrize("mistake,message", [("shape", "allocated out of order"),
+                                             ("barrier", "different symmetric allocations")])
+def test_forked_peers_refuse_ranks_that_disagree(mistake, message):
+    """The simulation's own checks: ranks must allocate the same buffers in the same order, and barrier
+    on the same allocation (on GPUs each allocation has its own signal pad)."""
+    from megatron_ext.cpu_ranks import RankFailure, run_on_ranks
+    from megatron_ext.testing.forked_peers import ForkedPeers
+
+    with pytest.raises(RankFailure, match=message):
+        run_on_ranks(_misordered_rank, 2, ForkedPeers(2, bytes_per_rank=1 << 16, timeout_s=10), mistake,
+                     timeout=60, wait_all=True)
