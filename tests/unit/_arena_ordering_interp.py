@@ -153,9 +153,10 @@ def run_case(name: str, spill: str, return_put: bool = False, seed: int = 0):
 
 
 def main() -> int:
-    from tests.unit.interpreter import patch_lang_once_per_kernel, shard
+    from tests.unit.interpreter import interpreter_ready, shard
 
-    patch_lang_once_per_kernel()
+    if not interpreter_ready():
+        return 2
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", action="append", choices=sorted(CASES))
     parser.add_argument("--spill-deferred", action="store_true",

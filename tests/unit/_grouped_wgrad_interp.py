@@ -60,15 +60,13 @@ def check_paths() -> None:
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from megatron_ext.kernels.grouped_wgrad import WgradTiles
-    from tests.unit.interpreter import fix_interpreter_bf16_dot, patch_lang_once_per_kernel
+    from tests.unit.interpreter import fix_interpreter_bf16_dot, interpreter_ready
 
+    if not interpreter_ready():
+        return 2
     fix_interpreter_bf16_dot()
-    patch_lang_once_per_kernel()
     small = WgradTiles(block_m=32, block_n=16, block_rows=16, warps=4, stages=2)
     check_case([40, 0, 17, 70], m=48, n=40, out_dtype=torch.float32, tiles=small, tail=5, seed=0)
     check_case([40, 0, 17, 70], m=48, n=40, out_dtype=torch.bfloat16, tiles=small, tail=5, seed=1)

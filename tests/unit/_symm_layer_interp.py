@@ -172,17 +172,26 @@ def _stack_rank(rank, world, peers, name, late_rank, steps):
     return peers.run_rank(rank, compare, late_rank=late_rank)
 
 
+def _on_ranks(name: str, fn, world: int, *args):
+    """`fn` on `world` forked EP ranks: their results, or None once a rank's error is reported."""
+    from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
+    from megatron_ext.testing.threaded_peers import report_case
+
+    try:
+        return run_on_ranks(fn, world, *args, sizes=ParallelSizes(ep=world))
+    except RankFailure as error:
+        report_case(name, [str(error)[-3000:]], "a rank raised")
+        return None
+
+
 def run_stack_case(name: str, late_rank: int | None, steps: int | None) -> bool:
     """True if the case failed (printed)."""
-    from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
     from megatron_ext.testing.forked_peers import ForkedPeers
+    from megatron_ext.testing.threaded_peers import report_case
 
     world, late_rank = STACK_CASES[name][0], STACK_CASES[name][-1] if late_rank is None else late_rank
-    peers = ForkedPeers(world)
-    try:
-        results = run_on_ranks(_stack_rank, world, peers, name, late_rank, steps, sizes=ParallelSizes(ep=world))
-    except RankFailure as error:
-        print(f"FAIL {name}: {str(error)[-3000:]}")
+    results = _on_ranks(name, _stack_rank, world, ForkedPeers(world), name, late_rank, steps)
+    if results is None:
         return True
     failures = [f"rank {rank}: dropped {result['dropped'][0]} routes, the torch transport {result['dropped'][1]}"
                 for rank, result in enumerate(results) if result["dropped"][0] != result["dropped"][1]]
@@ -195,10 +204,7 @@ def run_stack_case(name: str, late_rank: int | None, steps: int | None) -> bool:
     failures += [f"rank {rank} {line}" for rank, result in enumerate(results) for line in result["wrong"]]
     summary = (f"EP={world}, late rank {late_rank}, barriers {[r['barriers'] for r in results]}, dropped "
                f"{[r['dropped'][0] for r in results]}, pool bytes {max(r['pool'] for r in results)}")
-    print(f"{'FAIL' if failures else 'ok'} {name}: {summary}")
-    for line in failures[:8]:
-        print("   ", line)
-    return bool(failures)
+    return report_case(name, failures, summary)
 
 
 def _training_rank(rank, world, peers, settings, steps, transport):
@@ -215,16 +221,13 @@ def _training_rank(rank, world, peers, settings, steps, transport):
 
 def run_training_case(name: str) -> bool:
     """True if the case failed (printed)."""
-    from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
     from megatron_ext.testing.forked_peers import ForkedPeers
+    from megatron_ext.testing.threaded_peers import report_case
 
     world, settings, steps = TRAINING_CASES[name]
-    try:
-        got, want = (run_on_ranks(_training_rank, world, peers, settings, steps, transport,
-                                  sizes=ParallelSizes(ep=world))
-                     for peers, transport in ((ForkedPeers(world), "symm"), (None, "torch")))
-    except RankFailure as error:
-        print(f"FAIL {name}: {str(error)[-3000:]}")
+    got = _on_ranks(name, _training_rank, world, ForkedPeers(world), settings, steps, "symm")
+    want = None if got is None else _on_ranks(name, _training_rank, world, None, settings, steps, "torch")
+    if want is None:
         return True
     barriers = [rank_barriers for _, rank_barriers in got]
     failures = [] if min(barriers) > 0 else [f"a rank passed no symm barrier: {barriers}"]
@@ -234,26 +237,19 @@ def run_training_case(name: str) -> bool:
             failures.append(f"rank {rank}: losses {losses} over symm, {[r['loss'] for r in reference]} over torch")
         if any(syncs):
             failures.append(f"rank {rank}: host reads in the MoE layers: {syncs}")
-    losses = [record["loss"] for record in got[0][0]]
-    print(f"{'FAIL' if failures else 'ok'} {name}: EP={world}, barriers {barriers}, losses "
-          f"{[round(loss, 4) for loss in losses]}")
-    for line in failures:
-        print("   ", line)
-    return bool(failures)
+    losses = [round(record["loss"], 4) for record in got[0][0]]
+    return report_case(name, failures, f"EP={world}, barriers {barriers}, losses {losses}")
 
 
 def run_case(name: str) -> bool:
     """True if the case failed (printed)."""
-    from megatron_ext.cpu_ranks import ParallelSizes, RankFailure, run_on_ranks
     from megatron_ext.testing.forked_peers import ForkedPeers
+    from megatron_ext.testing.threaded_peers import report_case
     from tests.layer_check import Case
 
     world, ext, case_settings = CASES[name]
-    peers = ForkedPeers(world)
-    try:
-        results = run_on_ranks(_rank, world, peers, ext, Case(**case_settings), sizes=ParallelSizes(ep=world))
-    except RankFailure as error:
-        print(f"FAIL {name}: {str(error)[-3000:]}")
+    results = _on_ranks(name, _rank, world, ForkedPeers(world), ext, Case(**case_settings))
+    if results is None:
         return True
     failures = []
     if {r["transport"] for r in results} != {"SymmRowTransport"}:
@@ -266,10 +262,7 @@ def run_case(name: str) -> bool:
         failures.append(f"routes dropped with dropless=True: {[r['dropped'] for r in results]}")
     summary = (f"EP={world}, barriers {[r['barriers'] for r in results]}, dropped {[r['dropped'] for r in results]}, "
                f"pool bytes {max(r['pool'] for r in results)}")
-    print(f"{'FAIL' if failures else 'ok'} {name}: {summary}")
-    for line in failures:
-        print("   ", line)
-    return bool(failures)
+    return report_case(name, failures, summary)
 
 
 def main() -> int:

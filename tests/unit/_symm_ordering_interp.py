@@ -168,10 +168,11 @@ def run_case(name: str, seed: int = 0):
 
 
 def main() -> int:
-    from tests.unit.interpreter import patch_lang_once_per_kernel, shard
+    from tests.unit.interpreter import interpreter_ready, shard
     from tests.unit.symm_mutations import PHASES, drop_fences, unfence_poison
 
-    patch_lang_once_per_kernel()
+    if not interpreter_ready():
+        return 2
     parser = argparse.ArgumentParser()
     parser.add_argument("--unfenced-poison", action="store_true")
     parser.add_argument("--case", action="append", choices=sorted({**CASES, **FUSED_CASES, **PUT_RETURN_CASES}))
