@@ -31,6 +31,11 @@ differ. Variants (flags appended to the case's):
 
     python tools/bench_training.py [--variants megatron,rowwise] [--train-iters 30]
 
+--profile-steps START:END then trains each variant once more under Megatron's own profiler
+(`--profile --use-pytorch-profiler`, steps START..END-1; that run is not timed) and reports where
+its device time goes per step: busy and idle time, kernel time by kind, the top kernels
+(`megatron_ext/bench/trace_summary.py`).
+
 Result JSON under bench/results/ (training_<time>.json); ratios are against `megatron`.
 Leave Megatron's timers at their default level for step-time comparisons: at
 --timing-log-level 2 they synchronize the device around each microbatch's forward and backward.
@@ -50,6 +55,7 @@ from megatron_ext.bench.functional.case_config import FunctionalCase
 from megatron_ext.bench.functional.compare import values_by_step
 from megatron_ext.bench.functional.training import TrainingFailed, train_variant
 from megatron_ext.bench.results import add_results_dir_arg, new_result_path, write_result
+from megatron_ext.bench.trace_summary import load_trace, print_trace_summary, summarize_trace
 
 VARIANTS = {
     "megatron": ["--spec", "megatron.training.models.gpt", "default_layer_spec"],
@@ -104,6 +110,32 @@ def per_round_speedup(base_runs: list[dict], runs: list[dict]) -> dict | None:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}
 
 
+def profile_steps(text: str) -> tuple[int, int]:
+    """START:END of --profile-steps: Megatron profiles steps START..END-1 (START >= 1)."""
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END (two integers), got {text!r}") from None
+    if not 1 <= start < end:
+        raise argparse.ArgumentTypeError(f"expected 1 <= START < END, got {start}:{end}")
+    return start, end
+
+
+def profile_variant(case: FunctionalCase, name: str, options, output_dir: str) -> dict:
+    """Train `name` once under Megatron's profiler over --profile-steps and summarize its trace
+    (Megatron writes it beside the TensorBoard folder: <dir>/torch_profile/rank-0.json.gz)."""
+    start, end = options.profile_steps
+    folder = os.path.join(output_dir, f"{name}_profile")
+    flags = ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start), "--profile-step-end",
+             str(end), "--tensorboard-dir", os.path.join(folder, "tensorboard")]
+    try:
+        train_variant(case, [*VARIANTS[name], "--train-iters", str(end + 1), *shlex.split(options.extra_args),
+                             *flags], output_dir, f"{name}_profile", ["lm loss"])
+        return summarize_trace(load_trace(os.path.join(folder, "torch_profile", "rank-0.json.gz")))
+    except (TrainingFailed, OSError, ValueError) as error:
+        return {"failed": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", default="gpt/moe_rowwise_1gpu")
@@ -117,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                         "read as an option of this tool. Note: Megatron's "
                         "--timing-log-level 2 synchronizes the device around every microbatch's forward and "
                         "backward, which removes host/device overlap and slows eager variants more than graphed ones")
+    parser.add_argument("--profile-steps", type=profile_steps, metavar="START:END",
+                        help="after the timed runs, train each variant once more under Megatron's profiler "
+                        "over steps START..END-1 and report its device time by kind of kernel")
     add_results_dir_arg(parser)
     options = parser.parse_args(argv)
     names = [name.strip() for name in options.variants.split(",") if name.strip()]
@@ -133,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in names}
     path = new_result_path("training", options.results_dir)
 
+    profiles: dict[str, dict] = {}
+
     def save(complete: bool) -> dict:
         """Rewrite the result file after every run: a run cut short keeps what it measured."""
         results = {name: combine_runs(name_runs) for name, name_runs in runs.items() if name_runs}
@@ -146,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         write_result("training", {"case": case.name, "train_iters": options.train_iters,
                                   "warmup": options.warmup, "repeats": options.repeats, "complete": complete,
                                   "variants": {n: VARIANTS[n] for n in names},
-                                  "extra_args": options.extra_args, "results": results}, path=path)
+                                  "extra_args": options.extra_args, "results": results,
+                                  "profile_steps": options.profile_steps, "profiles": profiles}, path=path)
         return results
 
     for repeat in range(options.repeats):  # variants interleaved, so machine drift hits all alike
@@ -164,6 +202,14 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append({"failed": f"no summary from the log: {type(error).__name__}: {error}"})
             print(f"   {runs[name][-1]}", flush=True)
             save(complete=False)
+    for name in names if options.profile_steps else []:
+        print(f"== {name} (profiled run, not timed)", flush=True)
+        profiles[name] = profile_variant(case, name, options, output_dir)
+        if "failed" in profiles[name]:
+            print(f"   FAILED: {profiles[name]['failed']}", flush=True)
+        else:
+            print_trace_summary(name, profiles[name])
+        save(complete=False)
     results = save(complete=True)
     print("vs megatron: the median over rounds of Megatron's step time over the variant's in the same round, "
           "with its min..max; each variant is a separate training process (its own initialization and host "
