@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--train-iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the time median")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per variant (interleaved); median and spread")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant (interleaved); median and spread; "
+                        "0 with --profile-steps: the profiled runs only")
     parser.add_argument("--output-dir", help="training logs (default: a new temporary folder)")
     parser.add_argument("--extra-args", default="", help="flags appended to every variant, as one string; give a "
                         "single flag with '=' (--extra-args=--moe-ext-ddp-buckets), which argparse would otherwise "
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if options.train_iters <= options.warmup:
         parser.error(f"--train-iters {options.train_iters} must exceed --warmup {options.warmup}")
+    if options.repeats < 0 or (options.repeats == 0 and not options.profile_steps):
+        parser.error(f"--repeats {options.repeats}: give at least 1 timed run, or 0 with --profile-steps")
     require_cuda("tools/bench_training.py")
 
     case = FunctionalCase.load(options.case)
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<18} {result['iteration_time_s'] * 1e3:>9.1f} {spread:>15} {ratio:>24} "
               f"{memory if memory is None else round(memory, 2)!s:>8} {result['final_loss']:>8.4f}")
     print(f"result: {path}")
-    return 1 if any("failed" in r for r in results.values()) else 0
+    return 1 if any("failed" in r for r in (*results.values(), *profiles.values())) else 0
 
 
 if __name__ == "__main__":

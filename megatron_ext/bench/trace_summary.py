@@ -18,9 +18,10 @@ from megatron_ext.bench.kernel_profile import device_gaps
 _KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
-# (category, pattern) in order: the first that matches a kernel's name names it. Names seen in
-# torch 2.11's traces on H100/H200: cuBLAS's "nvjet_*" and "sm90_xmma_*", CUTLASS's "cutlass*",
-# torch._grouped_mm's CUTLASS kernels carry "Grouped"/"grouped" in their template names.
+# (category, pattern) in order: the first that matches a kernel's name names it. Written from
+# the libraries' naming (cuBLAS's "nvjet_*" and "sm90_xmma_*", CUTLASS templates, a grouped GEMM's
+# "Grouped" in its template), not yet checked against a GPU trace: a name that misses lands in a
+# broader kind, and the top kernels are listed by name either way.
 _PATTERNS = (
     ("grouped GEMM (experts)", re.compile(r"grouped", re.IGNORECASE)),
     ("GEMM (cuBLAS, CUTLASS)", re.compile(r"gemm|xmma|cutlass|nvjet|cublas", re.IGNORECASE)),

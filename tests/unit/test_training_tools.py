@@ -55,6 +55,9 @@ def test_bench_training_rejects_unknown_variants_and_too_few_steps(capsys):
     with pytest.raises(SystemExit):
         BENCH["main"](["--train-iters", "5", "--warmup", "10"])
     assert "must exceed --warmup" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        BENCH["main"](["--repeats", "0"])  # nothing would run
+    assert "or 0 with --profile-steps" in capsys.readouterr().err
 
 
 def test_bench_training_summary_without_steady_steps_is_an_error():
