@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append({"failed": f"no summary from the log: {type(error).__name__}: {error}"})
             print(f"   {runs[name][-1]}", flush=True)
             save(complete=False)
-    for name in names if options.profile_steps else []:
+    profiled = names if options.profile_steps else []  # one more, untimed run each under Megatron's profiler
+    for name in profiled:
         print(f"== {name} (profiled run, not timed)", flush=True)
         profiles[name] = profile_variant(case, name, options, output_dir)
         if "failed" in profiles[name]:
