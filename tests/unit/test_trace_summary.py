@@ -21,7 +21,10 @@ def two_steps():
     """Two profiled steps; in each (us): our route kernel 10, a grouped GEMM 100, a cuBLAS GEMM 40,
     an elementwise kernel 5, a 20-byte copy 2, and 23 us with nothing running."""
     events = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "ts": 1000 * n, "dur": 900}
-              for n in (11, 12)]
+              for n in (11, 12, 13)]  # the host opens step 13 before the profiler stops: no kernel in it
+    # as torch writes them: one device range per step and stream that ran in it
+    events += [{"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{n}", "ts": 1000 * n, "dur": 200,
+                "tid": stream} for n in (11, 12) for stream in (7, 13)]
     events.append({"ph": "i", "cat": "kernel", "name": "not a span", "ts": 0})  # instant events are skipped
     for base in (11000, 12000):
         events += [kernel("_route_kernel", base, 10), kernel("void cutlass::Kernel<GroupedGemm>", base + 10, 100),
@@ -59,6 +62,15 @@ def test_package_kernels_are_found_in_the_source():
     assert categorize("softmax_warp_forward", "kernel", names) == "softmax"
     assert categorize("multi_tensor_apply_kernel<AdamFunctor>", "kernel", names) == "optimizer"
     assert categorize("Memset (Device)", "gpu_memset", names) == "fills"
+    # names as an H100 trace of torch 2.11 spells them
+    grouped_mm = ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13"
+                  "GemmUniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS")
+    assert categorize(grouped_mm, "kernel", names) == "grouped GEMM (experts)"
+    assert categorize("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "kernel", names) == "GEMM (cuBLAS, CUTLASS)"
+    assert categorize("memcpy128", "kernel", names) == "copies"  # a copy node of a CUDA graph
+    onerank = ("__nv_static_32__b4148644_10_onerank_cu_fdf47990__ZN43_GLOBAL__N__b4148644_10_onerank_cu_"
+               "fdf4799013oneRankReduceI13Func")
+    assert categorize(onerank, "kernel", names) == "NCCL"
 
 
 def test_a_trace_without_steps_or_device_activity_is_refused(tmp_path):
@@ -66,7 +78,9 @@ def test_a_trace_without_steps_or_device_activity_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no ProfilerStep"):
         summarize_trace([e for e in events if not e["name"].startswith("ProfilerStep")])
     with pytest.raises(ValueError, match="CUDA activity was not recorded"):
-        summarize_trace([e for e in events if e["cat"] == "user_annotation"])
+        summarize_trace([e for e in events if e["cat"] in ("user_annotation", "gpu_user_annotation")])
+    host_ranges_only = [e for e in events if e["cat"] != "gpu_user_annotation"]
+    assert summarize_trace(host_ranges_only)["steps"] == 3  # without device ranges, the host's names
     path = tmp_path / "rank-0.json.gz"  # the form Megatron writes
     with gzip.open(path, "wt") as handle:
         json.dump({"traceEvents": events}, handle)
