@@ -127,7 +127,8 @@ def layer_weights(index: int, args) -> MoEWeights:
 
 def buffer_bytes(layers) -> int:
     """Bytes the layers keep between steps outside autograd: dispatch slots, or the arena (token rows,
-    probabilities, fc1's outputs and activations). `held` does not see them; a step holds both."""
+    probabilities, fc1's rows past the regions, activations). `held` does not see them (it sees fc1's
+    region rows, which the experts' autograd node holds); a step holds both."""
     total, arenas = 0, {}
     for layer in layers:
         dispatcher = layer.token_dispatcher

@@ -50,7 +50,7 @@ def _block(width: int) -> int:
 _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
-def _scalar(value, like: torch.Tensor) -> torch.Tensor:
+def device_int(value, like: torch.Tensor) -> torch.Tensor:
     """A device int64 scalar. An int becomes one once per (value, device) and is kept: a copy from
     the host inside a CUDA-graph capture is refused, and the first call runs before any capture."""
     if torch.is_tensor(value):
@@ -74,7 +74,7 @@ def copy_row_span(src: torch.Tensor, dst: torch.Tensor, count, src_start=0, dst_
     if values is not None and (values[0].shape != src.shape[:1] or values[1].shape != dst.shape[:1]):
         raise ValueError(f"copy_row_span: values {tuple(values[0].shape)} and {tuple(values[1].shape)} must have "
                          f"one entry per row of src {tuple(src.shape)} and dst {tuple(dst.shape)}")
-    count, src_start, dst_start = (_scalar(v, dst) for v in (count, src_start, dst_start))
+    count, src_start, dst_start = (device_int(v, dst) for v in (count, src_start, dst_start))
     if dst.is_cuda and triton is not None and src.is_contiguous() and dst.is_contiguous():
         width = 1 if src.dim() == 1 else src.shape[1]
         grid = (min(src.shape[0], dst.shape[0]),)

@@ -8,10 +8,11 @@ Cost accepted: tail rows of the outputs are left unwritten (the grouped GEMMs ne
 
 Layout: `h` [C, 2F] with gate in columns [0, F) and up in [F, 2F) (Megatron's fc1 order).
 
-With a dropless arena (moe/arena.py) `h` may live at a `RowPlace` instead: row r < P at
-`region_start + r` of the arena's fc1 rows, row r >= P at `spill[0] + r - P`. The forward then
-stores the rows it reads there (`save_to`: fc1's output kept without a copy kernel) or reads
-them from there (`read_from`: the recomputation and the backward read the kept rows in place).
+With a dropless arena (moe/arena.py) `h` lives in two parts, a `RowPlace`: rows r < P in one
+tensor, rows r >= P in another from a device row on (`read_from`). fc1 runs as two grouped GEMMs
+(rows below P, rows past it), the forward reads both outputs and stores only the rows past P
+where the arena keeps them (`save_to`: the first part stays where the GEMM wrote it); the
+recomputation and the backward read the kept rows in place.
 """
 
 from __future__ import annotations
@@ -27,43 +28,46 @@ from megatron_ext.kernels.row_span import copy_row_span
 
 @dataclass(frozen=True)
 class RowPlace:
-    """Where a buffer's rows live in an arena: rows [rows_total, 2F], the layer's region start and
-    length P (host ints); buffer row P lives at arena row spill_offset + spill (a host int plus a
-    device int64 scalar: the shared area's first row and the layer's spill start in it)."""
+    """A buffer's [C, 2F] rows in two parts: row r < P at `region_rows[r]` ([P, 2F], P its rows),
+    row r >= P at `spill_rows[spill + r - P]` (`spill` a device int64 scalar: no host read)."""
 
-    rows: torch.Tensor
-    region_start: int
-    region: int
+    region_rows: torch.Tensor
+    spill_rows: torch.Tensor
     spill: torch.Tensor
-    spill_offset: int = 0
+
+    @property
+    def region(self) -> int:
+        return self.region_rows.shape[0]
 
 
 @triton.jit
-def _arena_row(row, region_start, region, spill_ptr, spill_offset):
-    """The arena row of buffer row `row` (RowPlace)."""
-    return tl.where(row < region, region_start + row, spill_offset + tl.load(spill_ptr) + row - region).to(tl.int64)
+def _row_ptr(row, lo_ptr, hi_ptr, hi_start_ptr, split, width, SPLIT: tl.constexpr):
+    """Buffer row `row`: row `row` of lo_ptr below `split`, else row hi_start + row - split of hi_ptr
+    (a RowPlace); without SPLIT, row `row` of lo_ptr."""
+    ptr = lo_ptr + row.to(tl.int64) * width
+    if SPLIT:
+        if row >= split:
+            ptr = hi_ptr + (tl.load(hi_start_ptr) + row - split).to(tl.int64) * width
+    return ptr
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, place_ptr, region_start, region, spill_ptr,
-                       spill_offset,
-                       HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr, READ_PLACE: tl.constexpr,
-                       SAVE_PLACE: tl.constexpr):
+def _swiglu_fwd_kernel(lo_ptr, hi_ptr, hi_start_ptr, split, prob_ptr, out_ptr, valid_ptr, F, save_ptr,
+                       save_start_ptr, HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr, SPLIT: tl.constexpr,
+                       SAVE: tl.constexpr):
     row = tl.program_id(0)
     if row >= tl.load(valid_ptr):
         return
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < F
-    base = row.to(tl.int64) * 2 * F
-    if READ_PLACE:
-        base = _arena_row(row, region_start, region, spill_ptr, spill_offset) * 2 * F
-        h_ptr = place_ptr
-    gate = tl.load(h_ptr + base + cols, mask=mask, other=0.0)
-    up = tl.load(h_ptr + base + F + cols, mask=mask, other=0.0)
-    if SAVE_PLACE:
-        kept = _arena_row(row, region_start, region, spill_ptr, spill_offset) * 2 * F
-        tl.store(place_ptr + kept + cols, gate, mask=mask)
-        tl.store(place_ptr + kept + F + cols, up, mask=mask)
+    h_ptr = _row_ptr(row, lo_ptr, hi_ptr, hi_start_ptr, split, 2 * F, SPLIT)
+    gate = tl.load(h_ptr + cols, mask=mask, other=0.0)
+    up = tl.load(h_ptr + F + cols, mask=mask, other=0.0)
+    if SAVE:  # rows past the split go where the arena keeps them; those below stay where they are
+        if row >= split:
+            kept = save_ptr + (tl.load(save_start_ptr) + row - split).to(tl.int64) * 2 * F
+            tl.store(kept + cols, gate, mask=mask)
+            tl.store(kept + F + cols, up, mask=mask)
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
     act = gate * tl.sigmoid(gate) * up
@@ -73,17 +77,14 @@ def _swiglu_fwd_kernel(h_ptr, prob_ptr, out_ptr, valid_ptr, F, place_ptr, region
 
 
 @triton.jit
-def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, valid_ptr, F, region_start, region,
-                       spill_ptr, spill_offset, HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr,
-                       READ_PLACE: tl.constexpr):
+def _swiglu_bwd_kernel(grad_ptr, lo_ptr, hi_ptr, hi_start_ptr, split, prob_ptr, grad_h_ptr, grad_prob_ptr,
+                       valid_ptr, F, HAS_PROB: tl.constexpr, BLOCK_F: tl.constexpr, SPLIT: tl.constexpr):
     # One program per row (loops over F) so the prob gradient is a plain per-row dot product.
     row = tl.program_id(0)
     if row >= tl.load(valid_ptr):
         return
     base = row.to(tl.int64) * 2 * F
-    h_base = base
-    if READ_PLACE:
-        h_base = _arena_row(row, region_start, region, spill_ptr, spill_offset) * 2 * F
+    h_ptr = _row_ptr(row, lo_ptr, hi_ptr, hi_start_ptr, split, 2 * F, SPLIT)
     prob = 1.0
     if HAS_PROB:
         prob = tl.load(prob_ptr + row).to(tl.float32)
@@ -92,8 +93,8 @@ def _swiglu_bwd_kernel(grad_ptr, h_ptr, prob_ptr, grad_h_ptr, grad_prob_ptr, val
         cols = start + tl.arange(0, BLOCK_F)
         mask = cols < F
         grad = tl.load(grad_ptr + row.to(tl.int64) * F + cols, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(h_ptr + h_base + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + h_base + F + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + F + cols, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
         silu = gate * sig
         prob_dot += grad * silu * up
@@ -137,26 +138,49 @@ def _backward_torch(grad, h, prob, valid_rows):
     return grad_h, grad_prob
 
 
-def _place_args(place: RowPlace | None, like: torch.Tensor) -> tuple:
+def _source_args(h: torch.Tensor | None, place: RowPlace | None, valid_rows: torch.Tensor) -> tuple:
+    """The kernels' (lo, hi, hi_start, split) for rows in `h` or at `place`."""
     if place is None:
-        return like, 0, 0, like, 0
-    return place.rows, place.region_start, place.region, place.spill, place.spill_offset
+        return h, h, valid_rows, h.shape[0]
+    return place.region_rows, place.spill_rows, place.spill, place.region
+
+
+def gather_place(place: RowPlace, rows: int, valid_rows: torch.Tensor) -> torch.Tensor:
+    """The torch form of reading a RowPlace: a fresh [rows, 2F] buffer, valid below valid_rows."""
+    region = place.region
+    out = place.region_rows.new_empty(rows, place.region_rows.shape[1])
+    copy_row_span(place.region_rows, out[:region], valid_rows)
+    copy_row_span(place.spill_rows, out[region:], valid_rows - region, src_start=place.spill)
+    return out
+
+
+def _check_save(save_to: RowPlace | None, read_from: RowPlace | None) -> None:
+    if save_to is not None and (read_from is None or save_to.region_rows is not read_from.region_rows):
+        raise ValueError("swiglu_forward: save_to stores the rows past P only, so its region rows must be "
+                         "read_from's (the rows below P are kept where they were read)")
 
 
 def swiglu_forward(h: torch.Tensor | None, valid_rows: torch.Tensor, prob: torch.Tensor | None,
                    save_to: RowPlace | None = None, read_from: RowPlace | None = None,
                    rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The activation of rows < valid_rows (0-d int32 on h's device); no autograd. CPU: torch, tail zero.
-    CUDA only: `save_to` also stores h's rows at that place; `read_from` reads them there instead
-    of from `h` (None; `rows` then gives the buffer's rows).
+    `read_from`: the rows are read at that place instead of from `h` (None; `rows` then gives the
+    buffer's rows). `save_to` (with `read_from`, the same region rows): the rows past P are also
+    stored at that place's spill rows.
     `out` ([rows, F], contiguous): written in place, rows < valid_rows only (CPU too), and returned."""
-    source = h if read_from is None else read_from.rows
+    _check_save(save_to, read_from)
+    source = h if read_from is None else read_from.region_rows
     rows = h.shape[0] if read_from is None else rows
     F = source.shape[1] // 2
     if out is not None and (out.shape != (rows, F) or out.dtype != source.dtype or not out.is_contiguous()):
         raise ValueError(f"swiglu_forward: out must be a contiguous [{rows}, {F}] {source.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    if read_from is None and not h.is_cuda:
+    if not source.is_cuda:
+        if read_from is not None:
+            h = gather_place(read_from, rows, valid_rows)
+        if save_to is not None:
+            copy_row_span(read_from.spill_rows, save_to.spill_rows, valid_rows - read_from.region,
+                          src_start=read_from.spill, dst_start=save_to.spill)
         act = _forward_torch(h, prob, valid_rows)
         if out is None:
             return act
@@ -164,12 +188,19 @@ def swiglu_forward(h: torch.Tensor | None, valid_rows: torch.Tensor, prob: torch
         return out
     if out is None:
         out = torch.empty(rows, F, dtype=source.dtype, device=source.device)
+    return launch_forward(h, valid_rows, prob, save_to, read_from, out)
+
+
+def launch_forward(h, valid_rows, prob, save_to, read_from, out) -> torch.Tensor:
+    """The forward kernel over `out`'s rows (swiglu_forward's arguments checked; any device Triton
+    runs on, the CPU under its interpreter)."""
+    source = h if read_from is None else read_from.region_rows
+    rows, F = out.shape
     block = _block_f(F)
-    place, region_start, region, spill, spill_offset = _place_args(save_to or read_from, source)
+    save, save_start = (save_to.spill_rows, save_to.spill) if save_to is not None else (source, valid_rows)
     _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](
-        source, prob if prob is not None else source, out, valid_rows, F, place, region_start, region, spill,
-        spill_offset, HAS_PROB=prob is not None, BLOCK_F=block, READ_PLACE=read_from is not None,
-        SAVE_PLACE=save_to is not None)
+        *_source_args(h, read_from, valid_rows), prob if prob is not None else source, out, valid_rows, F, save,
+        save_start, HAS_PROB=prob is not None, BLOCK_F=block, SPLIT=read_from is not None, SAVE=save_to is not None)
     return out
 
 
@@ -177,19 +208,27 @@ def swiglu_backward(grad: torch.Tensor, h: torch.Tensor | None, prob: torch.Tens
                     read_from: RowPlace | None = None):
     """(d h, d prob or None) for rows < valid_rows from the activation's gradient; no autograd.
     Tail rows of d prob are zero (it is tiny and callers may reduce over it); of d h, unwritten.
-    `read_from` (CUDA): h's rows are read at that place (h None)."""
+    `read_from`: h's rows are read at that place (h None)."""
     grad = grad.contiguous()
-    if read_from is None and not h.is_cuda:
+    source = h if read_from is None else read_from.region_rows
+    if not source.is_cuda:
+        if read_from is not None:
+            h = gather_place(read_from, grad.shape[0], valid_rows)
         return _backward_torch(grad, h, prob, valid_rows)
-    source = h if read_from is None else read_from.rows
+    return launch_backward(grad, h, prob, valid_rows, read_from)
+
+
+def launch_backward(grad, h, prob, valid_rows, read_from):
+    """The backward kernel (swiglu_backward's arguments, `grad` contiguous; any device Triton runs
+    on, the CPU under its interpreter)."""
+    source = h if read_from is None else read_from.region_rows
     rows, two_f = grad.shape[0], source.shape[1]
     grad_h = torch.empty(rows, two_f, dtype=source.dtype, device=source.device)
     grad_prob = torch.zeros_like(prob) if prob is not None else None
-    _, region_start, region, spill, spill_offset = _place_args(read_from, source)
-    _swiglu_bwd_kernel[(rows,)](grad, source, prob if prob is not None else source, grad_h,
-                                grad_prob if grad_prob is not None else source, valid_rows, two_f // 2,
-                                region_start, region, spill, spill_offset, HAS_PROB=prob is not None,
-                                BLOCK_F=min(1024, _block_f(two_f // 2)), READ_PLACE=read_from is not None)
+    _swiglu_bwd_kernel[(rows,)](grad, *_source_args(h, read_from, valid_rows), prob if prob is not None else source,
+                                grad_h, grad_prob if grad_prob is not None else source, valid_rows, two_f // 2,
+                                HAS_PROB=prob is not None, BLOCK_F=min(1024, _block_f(two_f // 2)),
+                                SPLIT=read_from is not None)
     return grad_h, grad_prob
 
 

@@ -2,14 +2,15 @@
 what the experts call to keep their inputs, fc1's output and the activation there and to read
 them back.
 
-fc1's rows are kept in the local fc1 arena, written by the SwiGLU kernel as it reads them on GPUs
-(`fc1_place`: rows past P go straight to where the layer's spill goes) or copied on CPU
-(`keep_fc1`, `restore_fc1`). Unless Megatron's moe_act recompute is on, the activation is written
-straight into the local activation arena's view of the layer (`act_view`: its region, running on
-as the token rows do). After the experts' forward a non-last layer's token rows past its region P,
-their probabilities, their return ids (return_transfer="put") and its activation rows past P
-move to the shared area in one launch (`spill`, kernels/arena_spill.py) and come back before the
-experts' backward (`restore`). Every span is device-sized: no host read.
+fc1's rows below P stay in the fresh tensor its first grouped GEMM wrote (moe/expert_mlp.py), the
+rows past P go to the local fc1 arena's shared area, where the layer's spill goes, stored by the
+SwiGLU kernel as it reads them (`fc1_kept`: the two parts as one RowPlace). Unless Megatron's
+moe_act recompute is on, the activation is written straight into the local activation arena's
+view of the layer (`act_view`: its region, running on as the token rows do). After the experts'
+forward a non-last layer's token rows past its region P, their probabilities, their return ids
+(return_transfer="put") and its activation rows past P move to the shared area in one launch
+(`spill`, kernels/arena_spill.py) and come back before the experts' backward (`restore`). Every
+span is device-sized: no host read.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.kernels.arena_spill import SpillArrays, move_spill
-from megatron_ext.kernels.row_span import copy_row_span
 from megatron_ext.kernels.swiglu import RowPlace
 
 
@@ -57,13 +57,13 @@ class ArenaRows:
                                            act, None if act is None else slot.act[shared])
         return slot.spills[key]
 
-    def _local_arena(self, kind: str, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """The slot's local arena of `kind` ("fc1" or "act"; allocated at the experts' first forward
-        that needs it), laid out as the token rows."""
+    def _local_arena(self, kind: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The slot's local arena of `kind` ("fc1": the shared area's rows; "act": the token rows'
+        layout), allocated at the experts' first forward that needs it."""
         slot = self.slot
         arena = getattr(slot, kind)
         if arena is None:
-            arena = torch.empty(self.layer.layout.rows, width, dtype=dtype, device=slot.rows.local.device)
+            arena = torch.empty(rows, width, dtype=dtype, device=slot.rows.local.device)
             setattr(slot, kind, arena)
         elif arena.shape[1] != width or arena.dtype != dtype:
             raise ValueError(f"the MoE arena keeps {kind} rows of {arena.shape[1]} {arena.dtype}, a layer made "
@@ -76,33 +76,17 @@ class ArenaRows:
         slot, index = self.slot, self.layer.index
         if index not in slot.act_views:
             start = index * self.region
-            slot.act_views[index] = self._local_arena("act", width, dtype)[start:start + self.layer.capacity]
+            act = self._local_arena("act", self.layer.layout.rows, width, dtype)
+            slot.act_views[index] = act[start:start + self.layer.capacity]
         return slot.act_views[index]
 
-    def keep_fc1(self, fc1_out: torch.Tensor, valid_rows: torch.Tensor) -> None:
-        """fc1's output [C, F'] -> the local fc1 arena (same layout as the rows): rows below P to
-        the layer's region, the rest where its spill goes (the torch form of the SwiGLU kernel's
-        `save_to`)."""
-        slot = self.slot
-        self._local_arena("fc1", fc1_out.shape[1], fc1_out.dtype)
-        region = self.region
-        copy_row_span(fc1_out[:region], slot.fc1[self._region_rows], valid_rows)
-        copy_row_span(fc1_out[region:], slot.fc1[self.shared], valid_rows - region, dst_start=self.start)
-
-    def fc1_place(self, width: int, dtype: torch.dtype) -> RowPlace:
-        """Where this layer's fc1 rows live in the fc1 arena, for the SwiGLU kernels to write and read
-        in place (CUDA; kernels/swiglu.py)."""
+    def fc1_kept(self, region_rows: torch.Tensor) -> RowPlace:
+        """Where this layer's fc1 rows are kept: below P in `region_rows` (the fresh [P, F'] output of
+        fc1's first GEMM, held by the experts' autograd node), past P in the fc1 arena's shared area
+        from the layer's spill start on."""
         layout = self.layer.layout
-        fc1 = self._local_arena("fc1", width, dtype)
-        return RowPlace(fc1, self.layer.index * self.region, self.region, self.start, layout.layers * layout.region)
-
-    def restore_fc1(self, valid_rows: torch.Tensor) -> torch.Tensor:
-        """A fresh [C, F'] fc1 output, valid below the layer's received rows."""
-        fc1, region = self.slot.fc1, self.region
-        out = fc1.new_empty(self.layer.capacity, fc1.shape[1])
-        copy_row_span(fc1[self._region_rows], out[:region], valid_rows)
-        copy_row_span(fc1[self.shared], out[region:], valid_rows - region, src_start=self.start)
-        return out
+        shared = self._local_arena("fc1", layout.shared, region_rows.shape[1], region_rows.dtype)
+        return RowPlace(region_rows, shared, self.start)
 
     @property
     def region(self) -> int:
@@ -112,7 +96,3 @@ class ArenaRows:
     def shared(self) -> slice:
         layout = self.layer.layout
         return slice(layout.layers * layout.region, layout.rows)
-
-    @property
-    def _region_rows(self) -> slice:
-        return slice(self.layer.index * self.region, (self.layer.index + 1) * self.region)

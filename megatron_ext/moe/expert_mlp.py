@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from megatron_ext.kernels.swiglu import swiglu_backward, swiglu_forward
+from megatron_ext.kernels.row_span import device_int
+from megatron_ext.kernels.swiglu import RowPlace, swiglu_backward, swiglu_forward
 from megatron_ext.moe.expert_wgrad import expert_weight_grad
 
 
@@ -28,29 +29,28 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
     def forward(ctx, hidden, fc1_weight, fc2_weight, offsets, probs, recompute_activation: bool, arena,
                 wgrad_fusion: bool):
         valid_rows = offsets[-1]
-        fc1_out = torch._grouped_mm(hidden, fc1_weight.transpose(1, 2), offs=offsets)
         ctx.arena = arena
         # The parameters themselves (with DDP's main_grad), for moe/expert_wgrad.py
         ctx.fused_weights = (fc1_weight, fc2_weight) if wgrad_fusion else None
         if arena is None:
+            fc1_out = torch._grouped_mm(hidden, fc1_weight.transpose(1, 2), offs=offsets)
             act = swiglu_forward(fc1_out, valid_rows, probs)
             ctx.save_for_backward(hidden, fc1_weight, fc2_weight, offsets, probs)
             # The two intermediates live on ctx, not in saved_tensors, so backward can drop each as
             # soon as its last reader has run: peak memory as in torch's own three-node backward.
             ctx.intermediates = [fc1_out, None if recompute_activation else act]
-        else:  # moe/arena.py: the rows, fc1's output and (kept) the activation live in the arena
+        else:  # moe/arena.py: the rows, fc1's rows past P and (kept) the activation live in the arena
             ctx.keeps_act = not recompute_activation
-            act_rows = arena.act_view(fc1_out.shape[1] // 2, fc1_out.dtype) if ctx.keeps_act else None
-            if fc1_out.is_cuda:  # the SwiGLU kernel stores fc1's rows in the arena as it reads them
-                place = arena.fc1_place(fc1_out.shape[1], fc1_out.dtype)
-                act = swiglu_forward(fc1_out, valid_rows, probs, save_to=place, out=act_rows)
-            else:
-                act = swiglu_forward(fc1_out, valid_rows, probs, out=act_rows)
-                arena.keep_fc1(fc1_out, valid_rows)
+            fc1_rows = _fc1_in_two_parts(hidden, fc1_weight, offsets, arena.region)
+            width = fc1_rows.region_rows.shape[1]
+            act_rows = arena.act_view(width // 2, hidden.dtype) if ctx.keeps_act else None
+            # The SwiGLU kernel stores fc1's rows past P in the arena as it reads them.
+            act = swiglu_forward(None, valid_rows, probs, read_from=fc1_rows, save_to=arena.fc1_kept(
+                fc1_rows.region_rows), rows=hidden.shape[0], out=act_rows)
             ctx.save_for_backward(fc1_weight, fc2_weight, offsets)
             ctx.arena_inputs = (hidden, probs)  # on ctx: the arena's copies write their storage (version counter)
-            ctx.intermediates = [None, None]
-            del fc1_out
+            ctx.intermediates = [fc1_rows.region_rows, None]
+            del fc1_rows
         out = torch._grouped_mm(act, fc2_weight.transpose(1, 2), offs=offsets)
         if arena is not None:  # fc1 read the rows, fc2 the activation: rows past P leave region i+1
             arena.spill(valid_rows)
@@ -64,7 +64,7 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
                                "intermediates are released by the first backward: run the forward again")
         fc1_out, act = ctx.intermediates
         ctx.intermediates = None
-        place = None  # where fc1's rows are read from in an arena (CUDA), instead of fc1_out
+        place = None  # where fc1's rows are read in an arena (its region rows and the shared area's)
         if ctx.arena is None:
             hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
         else:
@@ -72,10 +72,8 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             ctx.arena.restore(offsets[-1])
             if ctx.keeps_act:
                 act = ctx.arena.act_view(fc2_weight.shape[2], fc2_weight.dtype)
-            if hidden.is_cuda:  # the SwiGLU kernels read fc1's rows where the forward kept them
-                place = ctx.arena.fc1_place(fc1_weight.shape[1], fc1_weight.dtype)
-            else:
-                fc1_out = ctx.arena.restore_fc1(offsets[-1])
+            place = ctx.arena.fc1_kept(fc1_out)  # the SwiGLU kernels read fc1's rows where they were kept
+            fc1_out = None
         need_hidden, need_fc1, need_fc2, _, need_probs, _, _, _ = ctx.needs_input_grad
         fuse = ctx.fused_weights is not None
         fc1_param, fc2_param = ctx.fused_weights or (fc1_weight, fc2_weight)
@@ -93,10 +91,31 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         if not need_act_grad:
             return None, None, grad_fc2, None, None, None, None, None
         grad_fc1_out, grad_probs = swiglu_backward(grad_act, fc1_out, probs, offsets[-1], read_from=place)
-        del grad_act, fc1_out
+        del grad_act, fc1_out, place
         grad_hidden = torch._grouped_mm(grad_fc1_out, fc1_weight, offs=offsets) if need_hidden else None
         grad_fc1 = expert_weight_grad(fc1_param, grad_fc1_out, hidden, offsets, fuse) if need_fc1 else None
         return grad_hidden, grad_fc1, grad_fc2, None, grad_probs if need_probs else None, None, None, None
+
+
+def _fc1_in_two_parts(hidden: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, region: int) -> RowPlace:
+    """fc1's output for an arena's view: rows below P (the layer's region) and the rows past it, each
+    a fresh tensor (moe/arena_rows.ArenaRows.fc1_kept keeps the first as it is, the second's rows in
+    the arena). On GPUs two grouped GEMMs over the two row ranges (the offsets clamped to each);
+    cost removed: the store of every fc1 row into the arena (one write of [rows, F'] per layer,
+    ~95 us at the reference shape on an H100, since torch._grouped_mm has no `out=`); cost
+    accepted: one more GEMM launch and two small offset kernels per layer forward. On CPUs one GEMM
+    and a copy of the region rows: CPU BLAS may sum an fp32 row differently when the GEMM's rows are
+    split, and the arena must equal the per-layer path bitwise."""
+    weight = fc1_weight.transpose(1, 2)
+    if hidden.is_cuda:
+        region_rows = torch._grouped_mm(hidden[:region], weight, offs=offsets.clamp(max=region))
+        run_on = hidden[region:]
+        spill_rows = torch._grouped_mm(run_on, weight, offs=(offsets - region).clamp(min=0)) if run_on.shape[0] \
+            else run_on.new_empty(0, weight.shape[2])
+    else:
+        fc1_out = torch._grouped_mm(hidden, weight, offs=offsets)
+        region_rows, spill_rows = fc1_out[:region].clone(), fc1_out[region:]
+    return RowPlace(region_rows, spill_rows, device_int(0, hidden))
 
 
 def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
@@ -106,8 +125,8 @@ def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weigh
     [L, 2F, H] (gate rows, then up rows), fc2 [L, H, F], int32 end offsets [L], probs [rows] fp32.
     Rows at or past offsets[-1] are never read; their outputs and gradients are not defined.
     `recompute_activation`: keep fc1's output only and run the activation again in the backward.
-    `arena` (moe/arena_rows.ArenaRows): `hidden` and `probs` are that arena's view; fc1's output and,
-    without `recompute_activation`, the activation are kept there.
+    `arena` (moe/arena_rows.ArenaRows): `hidden` and `probs` are that arena's view; fc1's rows past the
+    layer's region and, without `recompute_activation`, the activation are kept there.
     `wgrad_fusion`: the weight gradients go into Megatron DDP's main_grad where the weights have one
     (moe/expert_wgrad.py)."""
     if arena is not None and not hidden.is_contiguous():

@@ -129,3 +129,20 @@ def test_a_double_backward_is_refused_not_given_wrong():
     (grad_x,) = torch.autograd.grad(out, x_leaf, grad_out.clone().requires_grad_(True), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad_x.sum().backward()
+
+
+def test_swiglu_kernels_read_and_keep_fc1_in_two_parts():
+    """The dropless arena's fc1 rows in two parts (kernels/swiglu.RowPlace): the real kernels under
+    Triton's interpreter against the torch forms, and the rows past P stored exactly."""
+    from tests.unit.interpreter import run_under_interpreter
+    assert "20 cases, 0 failures" in run_under_interpreter("_swiglu_place_interp.py")
+
+
+def test_save_to_needs_the_read_place_region_rows():
+    from megatron_ext.kernels.swiglu import RowPlace, swiglu_forward
+    rows = torch.zeros(4, 8)
+    spill = torch.zeros((), dtype=torch.int64)
+    read = RowPlace(rows[:2], rows[2:], spill)
+    with pytest.raises(ValueError, match="region rows must be read_from's"):
+        swiglu_forward(None, torch.tensor(3, dtype=torch.int32), None, read_from=read, rows=4,
+                       save_to=RowPlace(rows[:2].clone(), torch.zeros(5, 8), spill))
