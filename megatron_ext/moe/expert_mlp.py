@@ -72,8 +72,9 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             ctx.arena.restore(offsets[-1])
             if ctx.keeps_act:
                 act = ctx.arena.act_view(fc2_weight.shape[2], fc2_weight.dtype)
-            place = ctx.arena.fc1_kept(fc1_out)  # the SwiGLU kernels read fc1's rows where they were kept
-            fc1_out = None
+            # An arena's intermediate is fc1's region rows; the SwiGLU kernels read them and the
+            # rows past P where the forward kept them.
+            place, fc1_out = ctx.arena.fc1_kept(fc1_out), None
         need_hidden, need_fc1, need_fc2, _, need_probs, _, _, _ = ctx.needs_input_grad
         fuse = ctx.fused_weights is not None
         fc1_param, fc2_param = ctx.fused_weights or (fc1_weight, fc2_weight)
