@@ -34,7 +34,9 @@ differ. Variants (flags appended to the case's):
 --profile-steps START:END then trains each variant once more under Megatron's own profiler
 (`--profile --use-pytorch-profiler`, steps START..END-1; that run is not timed) and reports where
 its device time goes per step: busy and idle time, kernel time by kind, the top kernels
-(`megatron_ext/bench/trace_summary.py`).
+(`megatron_ext/bench/trace_summary.py`), and Megatron's busy time per step over each variant's:
+the speed-up where both steps are device-bound, which the timed ratio to Megatron's host-bound
+step is not.
 
 Result JSON under bench/results/ (training_<time>.json); ratios are against `megatron`.
 Leave Megatron's timers at their default level for step-time comparisons: at
@@ -55,7 +57,7 @@ from megatron_ext.bench.functional.case_config import FunctionalCase
 from megatron_ext.bench.functional.compare import values_by_step
 from megatron_ext.bench.functional.training import TrainingFailed, train_variant
 from megatron_ext.bench.results import add_results_dir_arg, new_result_path, write_result
-from megatron_ext.bench.trace_summary import load_trace, print_trace_summary, summarize_trace
+from megatron_ext.bench.trace_summary import busy_ratios, load_trace, print_trace_summary, summarize_trace
 
 VARIANTS = {
     "megatron": ["--spec", "megatron.training.models.gpt", "default_layer_spec"],
@@ -230,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{rounds['median']:.2f}x ({rounds['min']:.2f}..{rounds['max']:.2f})" if rounds else "-"
         print(f"{name:<18} {result['iteration_time_s'] * 1e3:>9.1f} {spread:>15} {ratio:>24} "
               f"{memory if memory is None else round(memory, 2)!s:>8} {result['final_loss']:>8.4f}")
+    ratios = busy_ratios(profiles)
+    if ratios:
+        print("device-bound: Megatron's device busy ms per profiled step over the variant's (the speed-up where a "
+              "host keeps both GPUs busy): " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()))
     print(f"result: {path}")
     return 1 if any("failed" in r for r in (*results.values(), *profiles.values())) else 0
 

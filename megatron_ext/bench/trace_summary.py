@@ -110,6 +110,18 @@ def summarize_trace(events: list[dict], top: int = 15) -> dict:
     }
 
 
+def busy_ratios(profiles: dict[str, dict], baseline: str = "megatron") -> dict[str, float]:
+    """Per profiled variant, the baseline's device busy time per step over the variant's: its speed-up
+    where both steps are bound by the device (a host fast enough to keep the GPU busy), which the
+    timed ratio to a host-bound baseline is not. Empty without a usable baseline profile."""
+    def busy(summary):
+        return summary["timeline"]["busy_ms_per_iter"] if "timeline" in summary else None
+    base = busy(profiles.get(baseline, {}))
+    if not base:
+        return {}
+    return {name: base / busy(summary) for name, summary in profiles.items() if busy(summary)}
+
+
 def print_trace_summary(title: str, summary: dict) -> None:
     timeline = summary["timeline"]
     print(f"\nprofile {title}, {summary['steps']} steps (ms per step): span {timeline['span_ms_per_iter']:.1f}, "

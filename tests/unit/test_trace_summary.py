@@ -8,7 +8,8 @@ import runpy
 
 import pytest
 
-from megatron_ext.bench.trace_summary import categorize, load_trace, package_kernel_names, summarize_trace
+from megatron_ext.bench.trace_summary import (busy_ratios, categorize, load_trace, package_kernel_names,
+                                              summarize_trace)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -118,3 +119,15 @@ def test_bench_training_profile_steps(monkeypatch, tmp_path):
     assert args.index("--seed") < args.index("--profile")  # the case's extra flags, then the profiler's
     missing = profile_variant(None, "rowwise_graphs", options, str(tmp_path))
     assert missing["failed"].startswith("FileNotFoundError")
+
+
+def test_busy_ratios_against_megatron():
+    """The device-bound speed-up: Megatron's busy time per step over each variant's."""
+    fast = summarize_trace(two_steps())  # 0.167 ms busy per step
+    slow = summarize_trace([dict(e, ts=2 * e["ts"], dur=2 * e["dur"]) if e["ph"] == "X" else e
+                            for e in two_steps()])  # the same trace at half the speed
+    assert slow["timeline"]["busy_ms_per_iter"] == pytest.approx(0.334)
+    ratios = busy_ratios({"megatron": slow, "rowwise": fast, "broken": {"failed": "no trace"}})
+    assert ratios == pytest.approx({"megatron": 1.0, "rowwise": 2.0})
+    assert busy_ratios({"rowwise": fast}) == {}  # no Megatron profile: nothing to compare
+    assert busy_ratios({"megatron": {"failed": "x"}, "rowwise": fast}) == {}
