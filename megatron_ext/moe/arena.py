@@ -21,12 +21,14 @@ the destination's rows for the layer are spent: the microbatch's budget, or, for
 the last, its region and the next one's (2P rows), whatever is left of the shared area (counted,
 and an error at the next check with on_overflow="error", naming which bound to raise).
 
-fc1's output, which the experts keep for their backward, is a fresh tensor (torch._grouped_mm
-has no out=): the SwiGLU kernel stores it into a local arena of the same layout as it reads it,
-and the backward reads it there. The activation is written by that kernel straight into a second
-local arena of the same layout (a layer's view runs on past P as its token rows do; its spill
-follows fc2's forward) unless Megatron's moe_act recompute is on, in which case it is recomputed
-in the backward as the per-layer path does.
+fc1's output, which the experts keep for their backward, comes from two grouped GEMMs on GPUs
+(torch._grouped_mm has no out=): the rows below P stay in the first one's fresh tensor, held by
+the experts' autograd node; the SwiGLU kernel stores the rows past P, as it reads them, into a
+local fc1 arena of the shared area's rows (where the layer's token rows spill), and the backward
+reads both parts in place (moe/arena_rows.py). The activation is written by that kernel straight
+into a local activation arena of the token rows' layout (a layer's view runs on past P as its
+token rows do; its spill follows fc2's forward) unless Megatron's moe_act recompute is on, in
+which case it is recomputed in the backward as the per-layer path does.
 
 Cost removed: per-layer worst cases; the arena holds N * P + S rows per microbatch for all N
 layers. Cost accepted: spilled rows (token, activation) copied out and back, and the copies touch
@@ -88,8 +90,9 @@ def arena_layout(layers: int, max_tokens: int, topk: int, capacity_factor: float
 @dataclass
 class _Slot:
     """One live microbatch's storage: token rows and their probabilities (symmetric with the symm
-    transport), fc1's outputs and the activations (local, allocated at the experts' first forward;
-    the activations only without moe_act recompute), the spill cursor."""
+    transport), fc1's rows past the regions (local, the shared area's rows) and the activations
+    (local, the token rows' layout; only without moe_act recompute), both allocated at the
+    experts' first forward, and the spill cursor."""
 
     rows: SymmetricBuffer
     cursors: torch.Tensor  # [N + 1, M] int64: row i, shared-area rows spilled at each destination before layer i

@@ -62,9 +62,9 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
         if ctx.intermediates is None:
             raise RuntimeError("backward ran twice through the grouped experts (retain_graph=True); their "
                                "intermediates are released by the first backward: run the forward again")
-        fc1_out, act = ctx.intermediates
+        fc1_held, act = ctx.intermediates  # fc1's output; with an arena, its rows below P
         ctx.intermediates = None
-        place = None  # where fc1's rows are read in an arena (its region rows and the shared area's)
+        fc1_out, place = fc1_held, None  # place: where an arena's fc1 rows are read (RowPlace)
         if ctx.arena is None:
             hidden, fc1_weight, fc2_weight, offsets, probs = ctx.saved_tensors
         else:
@@ -72,9 +72,9 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
             ctx.arena.restore(offsets[-1])
             if ctx.keeps_act:
                 act = ctx.arena.act_view(fc2_weight.shape[2], fc2_weight.dtype)
-            # An arena's intermediate is fc1's region rows; the SwiGLU kernels read them and the
-            # rows past P where the forward kept them.
-            place, fc1_out = ctx.arena.fc1_kept(fc1_out), None
+            # The SwiGLU kernels read the region rows and the rows past P where the forward kept them.
+            place, fc1_out = ctx.arena.fc1_kept(fc1_held), None
+        del fc1_held
         need_hidden, need_fc1, need_fc2, _, need_probs, _, _, _ = ctx.needs_input_grad
         fuse = ctx.fused_weights is not None
         fc1_param, fc2_param = ctx.fused_weights or (fc1_weight, fc2_weight)
@@ -101,22 +101,32 @@ class _SwiGLUGroupedMLP(torch.autograd.Function):
 def _fc1_in_two_parts(hidden: torch.Tensor, fc1_weight: torch.Tensor, offsets: torch.Tensor, region: int) -> RowPlace:
     """fc1's output for an arena's view: rows below P (the layer's region) and the rows past it, each
     a fresh tensor (moe/arena_rows.ArenaRows.fc1_kept keeps the first as it is, the second's rows in
-    the arena). On GPUs two grouped GEMMs over the two row ranges (the offsets clamped to each);
-    cost removed: the store of every fc1 row into the arena (one write of [rows, F'] per layer,
-    ~95 us at the reference shape on an H100, since torch._grouped_mm has no `out=`); cost
-    accepted: one more GEMM launch and two small offset kernels per layer forward. On CPUs one GEMM
-    and a copy of the region rows: CPU BLAS may sum an fp32 row differently when the GEMM's rows are
-    split, and the arena must equal the per-layer path bitwise."""
+    the arena). On GPUs two grouped GEMMs (`fc1_two_gemms`); cost removed: the store of every fc1
+    row into the arena (one write of [rows, F'] per layer, ~95 us at the reference shape on an H100,
+    since torch._grouped_mm has no `out=`); cost accepted: one more GEMM launch and three small
+    offset ops per layer forward. On CPUs one GEMM and a copy of the region rows: CPU BLAS may sum
+    an fp32 row differently when the GEMM's rows are split, and the arena must equal the per-layer
+    path bitwise."""
     weight = fc1_weight.transpose(1, 2)
     if hidden.is_cuda:
-        region_rows = torch._grouped_mm(hidden[:region], weight, offs=offsets.clamp(max=region))
-        run_on = hidden[region:]
-        spill_rows = torch._grouped_mm(run_on, weight, offs=(offsets - region).clamp(min=0)) if run_on.shape[0] \
-            else run_on.new_empty(0, weight.shape[2])
+        region_rows, spill_rows = fc1_two_gemms(hidden, weight, offsets, region)
     else:
         fc1_out = torch._grouped_mm(hidden, weight, offs=offsets)
         region_rows, spill_rows = fc1_out[:region].clone(), fc1_out[region:]
     return RowPlace(region_rows, spill_rows, device_int(0, hidden))
+
+
+def fc1_two_gemms(hidden: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                  region: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One grouped GEMM over `hidden`'s rows below `region` and one over the rows from it on, each on
+    the end offsets clamped to its range (an expert straddling `region` is split between the two;
+    experts wholly on one side are empty groups of the other): (rows [region, N'], rows [C - region,
+    N']), valid where one GEMM over all rows would be."""
+    region_rows = torch._grouped_mm(hidden[:region], weight, offs=offsets.clamp(max=region))
+    run_on = hidden[region:]
+    if not run_on.shape[0]:
+        return region_rows, run_on.new_empty(0, weight.shape[2])
+    return region_rows, torch._grouped_mm(run_on, weight, offs=(offsets - region).clamp(min=0))
 
 
 def swiglu_grouped_mlp(hidden: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,

@@ -171,3 +171,28 @@ def test_graph_runner_replays_the_arena_equal_to_eager(live):
         for name, a, b in zip(NAMES[2:], got_w, want_w):
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=lambda m, n=name: f"step {step} {n}\n{m}")
     assert not any(slot.busy for slot in graphed[0].token_dispatcher.arena_layer.arena.slots)
+
+
+@pytest.mark.parametrize("experts,rows,region,valid", [
+    (8, 4096, 3072, 4096),  # every expert's rows ~512: both GEMMs pick the large-tile kernel
+    (64, 16384, 4096, 16000),  # 64 rows per expert below P, 192 past: the two pick different kernels
+    (8, 2048, 1536, 1000),  # every valid row below P: the second GEMM's groups all empty
+    (8, 2048, 2048, 2048),  # no run-on rows
+])
+def test_fc1_two_gemms_equal_one_bitwise(experts, rows, region, valid):
+    """The arena's fc1 (moe/expert_mlp.fc1_two_gemms) on CUTLASS's grouped GEMMs: the rows below P
+    and past P, each on offsets clamped to its range, equal one GEMM's valid rows bitwise (the
+    arena's bitwise equality with dropless=True rests on it), including where the two GEMMs' rows per
+    group pick different kernel configurations, random splits of the experts across P, empty groups."""
+    from megatron_ext.moe.expert_mlp import fc1_two_gemms
+    gen = torch.Generator(device="cuda").manual_seed(rows + region)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = torch.randn(experts, 1024, 4096, device="cuda", dtype=torch.bfloat16, generator=gen).div_(32)
+    for trial in range(10):
+        cuts = torch.randint(0, valid + 1, (experts - 1,), device="cuda", generator=gen)
+        offsets = torch.cat([cuts.sort().values, cuts.new_tensor([valid])]).to(torch.int32)
+        if trial == 0:
+            offsets[: experts // 2] = 0  # the first half of the experts empty
+        below, past = fc1_two_gemms(x, weight, offsets, region)
+        one = torch._grouped_mm(x, weight, offs=offsets)
+        assert torch.equal(torch.cat([below, past])[:valid], one[:valid]), f"trial {trial}: offsets {offsets.tolist()}"

@@ -146,3 +146,29 @@ def test_save_to_needs_the_read_place_region_rows():
     with pytest.raises(ValueError, match="region rows must be read_from's"):
         swiglu_forward(None, torch.tensor(3, dtype=torch.int32), None, read_from=read, rows=4,
                        save_to=RowPlace(rows[:2].clone(), torch.zeros(5, 8), spill))
+
+
+# (end offsets, region P) over 24 rows: experts straddling P, empty experts on either side, every
+# valid row below P, P at the last valid row, every row in the region (no run-on rows)
+FC1_SPLITS = [([5, 5, 14, 19], 8), ([0, 7, 7, 19], 7), ([3, 6, 9, 12], 16), ([4, 9, 12, 19], 19),
+              ([6, 12, 18, 24], 24), ([0, 0, 0, 19], 4), ([10, 20, 20, 24], 20)]
+
+
+@pytest.mark.parametrize("ends, region", FC1_SPLITS)
+def test_fc1_as_two_grouped_gemms_equals_one(ends, region):
+    """The arena's fc1 on GPUs (moe/expert_mlp.fc1_two_gemms): the rows below P and past P, each on
+    offsets clamped to its range, give one GEMM's valid rows. bf16: bitwise on CPU (each row one dot
+    product per column); the GPU test repeats it on CUTLASS's kernels."""
+    from megatron_ext.moe.expert_mlp import fc1_two_gemms
+    gen = torch.Generator().manual_seed(region)
+    x = torch.randn(CAPACITY, HIDDEN, generator=gen).bfloat16()
+    weight = torch.randn(EXPERTS, HIDDEN, 2 * FFN, generator=gen).bfloat16()
+    offsets = torch.tensor(ends, dtype=torch.int32)
+    below, past = fc1_two_gemms(x, weight, offsets, region)
+    assert below.shape == (region, 2 * FFN) and past.shape == (CAPACITY - region, 2 * FFN)
+    valid = ends[-1]
+    expected = torch.cat([x[start:end].double() @ weight[e].double()
+                          for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
+    both = torch.cat([below, past])[:valid]
+    assert torch.equal(both, torch._grouped_mm(x, weight, offs=offsets)[:valid])
+    torch.testing.assert_close(both.double(), expected, rtol=1e-2, atol=1e-2)
