@@ -148,6 +148,12 @@ def prepare_parsed_args(args) -> None:
     from megatron_ext import specs, training_hooks
     from megatron_ext.optimizer_resume import torch_adam_resume_notice
 
+    if getattr(args, "use_checkpoint_args", False):
+        raise MoEExtArgumentError(
+            "--use-checkpoint-args: Megatron loads the model's flags from the checkpoint after this hook has "
+            "checked them and chosen the MoE layers' spec, so a MoE model's flags from the checkpoint would go "
+            "unchecked and its MoE layers could silently be Megatron's own; give the model's flags on the command "
+            "line instead (those of the run that wrote the checkpoint: --num-experts, --moe-router-topk, the sizes)")
     resume_notice = torch_adam_resume_notice(args)  # Megatron's fault, any model: said before anything else
     if resume_notice:
         _print_once(resume_notice)
@@ -212,9 +218,10 @@ def _megatrons_moe_layers(args) -> str | None:
     """Why this MoE model's MoE layers are Megatron's own (None: megatron_ext builds them)."""
     if getattr(args, "num_experts", None) is None:
         return None
-    if getattr(args, "hybrid_layer_pattern", None) is not None:
-        return ("hybrid model (--hybrid-layer-pattern): its --spec is a hybrid stack spec, which megatron_ext "
-                "does not provide")
+    # Megatron copies the deprecated --hybrid-override-pattern into hybrid_layer_pattern later, in validate_args
+    for flag in ("--hybrid-layer-pattern", "--hybrid-override-pattern"):
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            return f"hybrid model ({flag}): its --spec is a hybrid stack spec, which megatron_ext does not provide"
     spec = getattr(args, "spec", None)
     if spec and not spec[0].startswith("megatron_ext"):
         return f"--spec {' '.join(spec)} is not megatron_ext's (--spec {' '.join(EXT_SPEC)})"

@@ -89,9 +89,19 @@ def test_dense_models_keep_megatrons_spec(hooked):
     assert parse_with(hooked, []).spec is None
 
 
-def test_hybrid_models_keep_their_own_stack_spec(hooked, capsys):
-    assert parse_with(hooked, MOE_MODEL + ["--hybrid-layer-pattern", "M*E"]).spec is None
-    assert "hybrid model" in capsys.readouterr().out
+@pytest.mark.parametrize("flag", ["--hybrid-layer-pattern", "--hybrid-override-pattern"])
+def test_hybrid_models_keep_their_own_stack_spec(hooked, capsys, flag):
+    """The deprecated --hybrid-override-pattern too: Megatron moves it to hybrid_layer_pattern only
+    in validate_args, after the hook."""
+    assert parse_with(hooked, MOE_MODEL + [flag, "M*E"]).spec is None
+    assert f"hybrid model ({flag})" in capsys.readouterr().out
+
+
+def test_checkpoint_args_are_refused_not_loaded_past_the_checks(hooked):
+    """Megatron loads --use-checkpoint-args after parse_args: the checkpoint's --num-experts would
+    reach a model whose spec the hook left at Megatron's (its own MoE layers, silently)."""
+    with pytest.raises(MoEExtArgumentError, match="--use-checkpoint-args: .* give the model's flags on the command"):
+        parse_with(hooked, ["--use-checkpoint-args", "--load", "/tmp/no_checkpoint"])
 
 
 @pytest.mark.parametrize("layout", [["--hybrid-layer-pattern", "M*E"], ["--spec", "local"]])
