@@ -37,8 +37,9 @@ import runpy
 import sys
 
 from megatron_ext.argument_checks import training_loop_conflicts, validate_against_megatron
-from megatron_ext.arguments import FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args
-from megatron_ext.moe.drop_notice import drops_beyond_capacity, mark_given
+from megatron_ext.arguments import (FLAG_OF_FIELD, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
+                                    flag_words)
+from megatron_ext.moe.drop_notice import drops_beyond_capacity, how_to_drop_none, mark_given, what_is_held
 from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged  # noqa: F401 - re-exported
 
 EXT_SPEC = ["megatron_ext.specs", "gpt_block_spec"]
@@ -193,14 +194,16 @@ def prepare_parsed_args(args) -> None:
 
 def _drop_notice(ext_config, ep: int) -> str | None:
     """Megatron's MoE layer under these flags is dropless (its capacity factor is refused here, see
-    megatron_ext.rules); the rowwise layer's capacity drops beyond cf x the balanced load when cf < EP."""
+    megatron_ext.rules); the rowwise layer's capacity drops beyond cf x the balanced load when cf < EP,
+    and the arena's budget with --moe-ext-on-overflow drop."""
     if not drops_beyond_capacity(ext_config, ep):
         return None
     mark_given()  # the layers say nothing more
-    return (f"megatron_ext: the rowwise MoE layers hold --moe-ext-capacity-factor {ext_config.capacity_factor:g} x "
-            f"the balanced load per destination rank and drop the routes beyond it (Megatron's own layer would keep "
-            f"them); dropped routes are reported at each --log-interval. To drop none: --moe-ext-dropless-arena "
-            f"(bounded) or --moe-ext-dropless (worst-case buffers)")
+    reported = (f"counted in the routing metrics every {ext_config.metrics_interval} steps (--moe-ext-metrics-interval)"
+                if ext_config.metrics_interval else "reported at each --log-interval")
+    return (f"megatron_ext: the rowwise MoE layers may drop routes Megatron's own layer would keep: "
+            f"{what_is_held(ext_config, flag_words)}; dropped routes are {reported}. "
+            f"{how_to_drop_none(ext_config, flag_words)}")
 
 
 # What a model without MoE layers still uses: the replica check compares every parameter, and

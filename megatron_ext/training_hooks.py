@@ -19,7 +19,9 @@ import inspect
 
 import torch.distributed as dist
 
+from megatron_ext.arguments import flag_words
 from megatron_ext.config import MoEExtConfig
+from megatron_ext.moe.drop_notice import how_to_drop_none, what_is_held
 from megatron_ext.rules import MEGATRON_VERSION, MegatronInternalsChanged
 
 
@@ -49,7 +51,7 @@ def _sum_over_ranks(value: int) -> int:
     return int(total)
 
 
-def report_drops(model, iteration: int) -> str | None:
+def report_drops(model, iteration: int, config: MoEExtConfig) -> str | None:
     """Capacity-bounded layers (on_overflow "drop") drop the routes beyond their capacity, where
     Megatron's own dropless layer would keep them: without --moe-ext-metrics-interval, the routes
     dropped on every rank since the last report, as a warning line when there were any (one host
@@ -59,9 +61,7 @@ def report_drops(model, iteration: int) -> str | None:
     if dropped == 0:
         return None
     return (f"megatron_ext: warning: the MoE layers dropped {dropped} routes (all ranks) in the iterations up to "
-            f"{iteration}: their buffers hold --moe-ext-capacity-factor x the balanced load per destination rank. "
-            f"To drop none, use --moe-ext-dropless-arena (bounded; stops with an error if its budget is exceeded) "
-            f"or --moe-ext-dropless (worst-case buffers), or raise --moe-ext-capacity-factor")
+            f"{iteration}: {what_is_held(config, flag_words)}. {how_to_drop_none(config, flag_words)}")
 
 
 def check_overflows(model) -> None:
@@ -97,7 +97,7 @@ def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: 
     if config.overflow_policy == "error" and at_log:
         check_overflows(model)
     if config.drops_routes and not config.metrics_interval and at_log:
-        line = report_drops(model, iteration)
+        line = report_drops(model, iteration, config)
         if line and (not dist.is_initialized() or dist.get_rank() == 0):
             print(line, flush=True)
     if config.metrics_interval and iteration % config.metrics_interval == 0:

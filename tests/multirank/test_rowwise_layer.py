@@ -395,7 +395,9 @@ def _drop_notice_rank(rank, world, ext):
     (dict(capacity_factor=1.25), True),
     (dict(capacity_factor=2.0), False),  # cf >= EP: the worst case, dropless
     (dict(dropless=True), False),
-    (dict(capacity_factor=1.25, on_overflow="error"), False)])
+    (dict(capacity_factor=1.25, on_overflow="error"), False),
+    (dict(dropless_arena=True), False),  # beyond its budget: an error at the next check
+    (dict(dropless_arena=True, on_overflow="drop"), True)])
 def test_layers_that_may_drop_say_so_once_when_built_outside_the_launcher(ext, says):
     """A training loop of one's own gets the launcher's start-up notice from the layers: global rank 0,
     once for the model, in the config's words."""
@@ -403,7 +405,8 @@ def test_layers_that_may_drop_say_so_once_when_built_outside_the_launcher(ext, s
     assert logged[1] == [], logged
     if says:
         assert len(logged[0]) == 1, logged
-        assert "capacity_factor 1.25" in logged[0][0] and "read_metrics()['dropped_routes']" in logged[0][0]
-        assert "dropless_arena=True" in logged[0][0]
+        assert "capacity_factor=1.25" in logged[0][0] and "read_metrics()['dropped_routes']" in logged[0][0]
+        advice = "on_overflow='error'" if ext.get("dropless_arena") else "dropless_arena=True"
+        assert advice in logged[0][0], logged
     else:
         assert logged[0] == [], logged

@@ -302,15 +302,26 @@ def test_megatron_on_a_machine_without_a_gpu_is_a_usage_error(tmp_path):
 @pytest.mark.parametrize("flags,dropping", [
     (["--expert-model-parallel-size", "2"], True),  # cf 1.25 < EP: beyond it routes drop
     (["--expert-model-parallel-size", "2", "--moe-ext-capacity-factor", "2.0"], False),  # cf >= EP: dropless
-    (["--expert-model-parallel-size", "2", "--moe-ext-dropless-arena"], False),
+    (["--expert-model-parallel-size", "2", "--moe-ext-dropless-arena"], False),  # beyond its budget: an error
+    (["--expert-model-parallel-size", "2", "--moe-ext-dropless-arena", "--moe-ext-on-overflow", "drop"], True),
+    (["--moe-ext-dropless-arena", "--moe-ext-on-overflow", "drop", "--moe-ext-metrics-interval", "10"], True),
     (["--expert-model-parallel-size", "2", "--moe-ext-dropless"], False),
     ([], False)])  # EP = 1: the capacity is the worst case
 def test_a_layer_that_may_drop_where_megatrons_would_not_says_so_at_start_up(hooked, capsys, flags, dropping):
     parse_with(hooked, [*MOE_MODEL, *flags])
     out = capsys.readouterr().out
-    assert ("drop the routes beyond it (Megatron's own layer would keep them)" in out) is dropping, out
-    if dropping:
-        assert "--moe-ext-capacity-factor 1.25 x" in out and "--moe-ext-dropless-arena" in out
+    assert ("may drop routes Megatron's own layer would keep" in out) is dropping, out
+    if not dropping:
+        return
+    assert "--moe-ext-capacity-factor 1.25 x" in out
+    if "--moe-ext-dropless-arena" in flags:  # the advice is not the flag already given
+        assert "their dropless arena holds" in out and "To stop with an error instead: --moe-ext-on-overflow error" \
+            in out and "To drop none: --moe-ext-dropless-arena" not in out, out
+    else:
+        assert "per destination rank" in out and "To drop none: --moe-ext-dropless-arena" in out, out
+    reported = "every 10 steps (--moe-ext-metrics-interval)" if "--moe-ext-metrics-interval" in flags else \
+        "reported at each --log-interval"
+    assert reported in out, out
 
 
 @pytest.mark.parametrize("model", [[], MOE_MODEL, MOE_MODEL + ["--spec", "local"]], ids=["dense", "moe", "megatrons"])

@@ -38,6 +38,10 @@ def test_dropped_routes_are_reported_at_logging_steps_without_metrics(capsys):
     assert [line.split(":")[:2] for line in lines] == [["megatron_ext", " warning"]] * 2, lines
     assert "dropped 7 routes (all ranks) in the iterations up to 10" in lines[1]
     assert "--moe-ext-dropless-arena" in lines[1] and "--moe-ext-capacity-factor" in lines[1]
+    arena = MoEExtConfig(dropless_arena=True, on_overflow="drop")  # the advice is not the arena it runs on
+    training_hooks.after_train_step(model, 15, arena, log_interval=5)
+    line = capsys.readouterr().out
+    assert "their dropless arena holds" in line and "--moe-ext-on-overflow error" in line, line
     quiet = torch.nn.Sequential(_LayerWithMetrics(dropped=0))
     training_hooks.after_train_step(quiet, 5, MoEExtConfig(), log_interval=5)
     assert quiet[0].reads == 1 and capsys.readouterr().out == ""
