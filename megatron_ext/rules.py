@@ -134,6 +134,7 @@ def graph_runner_clash(settings, ext) -> list[str]:
                         f"arena yet; drop one (--moe-ext-cuda-graphs captures the MoE layer with the arena)")
     if ext_value("cuda_graphs"):
         problems += _nccl_in_graph("--moe-ext-cuda-graphs", settings, ext_value("transport"))
+        problems += [f"--moe-ext-cuda-graphs with {why}" for why in _router_blocks_capture(settings)]
     if not graph_flag:
         return problems
     if ext_value("cuda_graphs"):
@@ -153,6 +154,40 @@ def _nccl_in_graph(graph_flag: str, settings, transport: str) -> list[str]:
                 f"transport runs NCCL collectives inside the layer, and a graph holding them keeps "
                 f"destroy_process_group from returning; use --moe-ext-transport symm"]
     return []
+
+
+def _balancing_coeffs(settings) -> dict[str, float]:
+    """Megatron's load-balancing types and their loss coefficients (a flag's one value or list,
+    a TransformerConfig's str / float or lists)."""
+    kinds = getattr(settings, "moe_router_load_balancing_type", None) or []
+    coeffs = getattr(settings, "moe_aux_loss_coeff", 0.0) or 0.0
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    return dict(zip(kinds, coeffs))
+
+
+def _router_blocks_capture(settings) -> list[str]:
+    """What in Megatron's router keeps the graph runner from ever capturing the layer, known from the
+    settings (cuda_graphs/blockers.capture_blockers finds the same at run time, where the layer then
+    stays eager): refused at start-up instead of a graphed run that is not. The global aux loss's
+    group (TP x DP x CP) is left to run time: the data-parallel size is not a setting."""
+    tp_cp = (getattr(settings, "tensor_model_parallel_size", 1) or 1) * (getattr(settings, "context_parallel_size", 1)
+                                                                        or 1)
+    coeffs = _balancing_coeffs(settings)
+    nccl = ("(NCCL inside the layer, and a graph holding NCCL work keeps destroy_process_group from returning); "
+            "drop one")
+    reasons = []
+    if getattr(settings, "moe_enable_routing_replay", False):
+        reasons.append("--moe-enable-routing-replay: router replay feeds the top-k from host-side lists that change "
+                       "every step, which a graph would replay as captured; drop one")
+    summed = [kind for kind in ("aux_loss", "seq_aux_loss") if coeffs.get(kind, 0.0) > 0]
+    if summed and tp_cp > 1:
+        reasons.append(f"--moe-router-load-balancing-type {summed[0]} at tensor x context parallel size {tp_cp}: the "
+                       f"router all-reduces its counts over TP x CP {nccl}, or set --moe-aux-loss-coeff 0")
+    if "quantile_balancing" in coeffs and tp_cp > 1:
+        reasons.append(f"--moe-router-load-balancing-type quantile_balancing at tensor x context parallel size "
+                       f"{tp_cp}: the router all-gathers its logits over TP x CP {nccl}")
+    return reasons
 
 
 def megatron_graph_problems(settings) -> list[str]:

@@ -108,6 +108,32 @@ def test_megatron_cuda_graph_runners_whole_layers_only_for_the_rowwise_layer():
         assert len(problems) == 1 and words in problems[0], problems
 
 
+@pytest.mark.parametrize("settings,words", [
+    (dict(tensor_model_parallel_size=2, moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[1e-2]),
+     "aux_loss at tensor x context parallel size 2"),
+    (dict(context_parallel_size=2, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3),
+     "seq_aux_loss at tensor x context parallel size 2"),
+    (dict(tensor_model_parallel_size=2, moe_router_load_balancing_type=["quantile_balancing"]),
+     "quantile_balancing at tensor x context parallel size 2"),
+    (dict(moe_enable_routing_replay=True), "--moe-enable-routing-replay"),
+    (dict(tensor_model_parallel_size=2, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0), None),
+    (dict(tensor_model_parallel_size=1, moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[1e-2]), None),
+    (dict(tensor_model_parallel_size=2, moe_router_load_balancing_type=["none"]), None)])
+def test_graph_runner_refuses_routers_it_could_never_capture(settings, words):
+    """What cuda_graphs/blockers.capture_blockers would find at every capture (NCCL or host lists in
+    Megatron's router): refused at start-up, not a graphed run whose layers all stay eager."""
+    from types import SimpleNamespace
+
+    from megatron_ext.rules import graph_runner_clash
+
+    problems = graph_runner_clash(SimpleNamespace(**settings), MoEExtConfig(cuda_graphs=True))
+    assert graph_runner_clash(SimpleNamespace(**settings), MoEExtConfig()) == []  # eager layers: nothing to refuse
+    if words is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0].startswith("--moe-ext-cuda-graphs with --") and words in problems[0]
+
+
 def test_put_return_refused_where_auto_resolves_to_torch():
     """transport='auto' is only known at layer build: on CPU it is the torch transport."""
     import torch
