@@ -149,12 +149,6 @@ def prepare_parsed_args(args) -> None:
     from megatron_ext import specs, training_hooks
     from megatron_ext.optimizer_resume import torch_adam_resume_notice
 
-    if getattr(args, "use_checkpoint_args", False):
-        raise MoEExtArgumentError(
-            "--use-checkpoint-args: Megatron loads the model's flags from the checkpoint after this hook has "
-            "checked them and chosen the MoE layers' spec, so a MoE model's flags from the checkpoint would go "
-            "unchecked and its MoE layers could silently be Megatron's own; give the model's flags on the command "
-            "line instead (those of the run that wrote the checkpoint: --num-experts, --moe-router-topk, the sizes)")
     resume_notice = torch_adam_resume_notice(args)  # Megatron's fault, any model: said before anything else
     if resume_notice:
         _print_once(resume_notice)
@@ -306,6 +300,7 @@ def install() -> callable:
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         provider = _chain_providers(extra_args_provider, add_moe_ext_args, escape_stray_percent, suggest_close_flags)
         args = original(provider, ignore_unknown_args)
+        refuse_checkpoint_args(args)
         prepare_parsed_args(args)
         return args
 
@@ -316,6 +311,19 @@ def install() -> callable:
     parse_args._megatron_ext_uninstall = uninstall
     arguments.parse_args = parse_args
     return uninstall
+
+
+def refuse_checkpoint_args(args) -> None:
+    """The hook runs inside parse_args; Megatron's parse_and_validate_args loads --use-checkpoint-args
+    after it (0.19.2), so the checkpoint's model flags would bypass the checks and the spec choice.
+    (examples/pretrain_gpt.py checks after Megatron has loaded them, where the flag works.)"""
+    if getattr(args, "use_checkpoint_args", False):
+        raise MoEExtArgumentError(
+            "--use-checkpoint-args: Megatron loads the model's flags from the checkpoint after the launcher has "
+            "checked them and chosen the MoE layers' spec, so a MoE model's flags from the checkpoint would go "
+            "unchecked and its MoE layers could silently be Megatron's own; give the model's flags on the command "
+            "line instead (those of the run that wrote the checkpoint: --num-experts, --moe-router-topk, the sizes), "
+            "or run examples/pretrain_gpt.py without the launcher, which checks them after Megatron loads them")
 
 
 def use_prebuilt_dataset_helpers() -> None:

@@ -102,6 +102,11 @@ def test_checkpoint_args_are_refused_not_loaded_past_the_checks(hooked):
     reach a model whose spec the hook left at Megatron's (its own MoE layers, silently)."""
     with pytest.raises(MoEExtArgumentError, match="--use-checkpoint-args: .* give the model's flags on the command"):
         parse_with(hooked, ["--use-checkpoint-args", "--load", "/tmp/no_checkpoint"])
+    # examples/pretrain_gpt.py checks after Megatron's parse_and_validate_args has loaded them: accepted there
+    args = parse_with(hooked, MOE_MODEL)
+    args.use_checkpoint_args = True  # as Megatron leaves it after loading the checkpoint's flags
+    launch.prepare_parsed_args(args)
+    assert args.spec == launch.EXT_SPEC
 
 
 @pytest.mark.parametrize("layout", [["--hybrid-layer-pattern", "M*E"], ["--spec", "local"]])
