@@ -18,6 +18,7 @@ Written against megatron-core 0.19.2.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from functools import partial
@@ -133,12 +134,21 @@ def dataset_config(args):
     from megatron.training.utils import get_blend_and_blend_per_split
 
     blend, blend_per_split = (None, None) if args.mock_data else get_blend_and_blend_per_split(args)
+    sequences_per_dataset = None  # --per-dataset-sequences-path: a JSON of each dataset's sequence count
+    if args.per_dataset_sequences_path is not None:
+        with open(args.per_dataset_sequences_path) as counts:
+            sequences_per_dataset = json.load(counts)
     return GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
         split=args.split, path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
         tokenizer=build_tokenizer(args), reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens, fast_cache_load=args.dataloader_fast_cache_load,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap, sequences_per_dataset=sequences_per_dataset,
         context_parallel_size=args.context_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel)
 

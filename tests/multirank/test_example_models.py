@@ -68,6 +68,30 @@ def test_pretrain_gpt_entry_keeps_megatrons_layer_under_megatrons_spec():
     assert abs(result["loss_per_token"] - torch.log(torch.tensor(128.0)).item()) < 1.0 and result["expert_grads"]
 
 
+def _dataset_config_fields(rank, world, counts_path):
+    example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "pretrain_gpt.py"), run_name="example")
+    args = example["parse_arguments"]([*TINY_ARGV, "--mid-level-dataset-surplus", "0.05", "--allow-ambiguous-pad-tokens",
+                                       "--num-dataset-builder-threads", "3", "--dataloader-fast-cache-load",
+                                       "--dataloader-defer-npy-index-mmap", "--object-storage-cache-path", "/tmp/idx",
+                                       "--data-cache-path", "/tmp/cache",
+                                       "--per-dataset-sequences-path", counts_path])
+    config = example["dataset_config"](args)
+    return {name: getattr(config, name) for name in (
+        "mid_level_dataset_surplus", "allow_ambiguous_pad_tokens", "num_dataset_builder_threads", "fast_cache_load",
+        "defer_npy_index_mmap", "object_storage_cache_path", "sequences_per_dataset")}
+
+
+def test_pretrain_gpt_entry_passes_megatrons_data_flags_to_its_dataset_config(tmp_path):
+    """Each data flag of Megatron's parser that GPTDatasetConfig has a field for reaches it (none
+    silently left at the config's default)."""
+    counts = tmp_path / "counts.json"
+    counts.write_text('{"/data/a": 12}')
+    fields = run_on_ranks(_dataset_config_fields, 1, str(counts), sizes=ParallelSizes(), timeout=180)[0]
+    assert fields == {"mid_level_dataset_surplus": 0.05, "allow_ambiguous_pad_tokens": True,
+                      "num_dataset_builder_threads": 3, "fast_cache_load": True, "defer_npy_index_mmap": True,
+                      "object_storage_cache_path": "/tmp/idx", "sequences_per_dataset": {"/data/a": 12}}
+
+
 def _pretrain_gpt_refusal(rank, world, extra_argv):
     """(exit code, stderr) of parse_arguments on a refused combination; None if it was accepted."""
     example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "pretrain_gpt.py"), run_name="example")
