@@ -70,11 +70,11 @@ def test_pretrain_gpt_entry_keeps_megatrons_layer_under_megatrons_spec():
 
 def _dataset_config_fields(rank, world, counts_path):
     example = runpy.run_path(os.path.join(REPO_ROOT, "examples", "pretrain_gpt.py"), run_name="example")
-    args = example["parse_arguments"]([*TINY_ARGV, "--mid-level-dataset-surplus", "0.05",
-                                       "--allow-ambiguous-pad-tokens", "--num-dataset-builder-threads", "3", "--dataloader-fast-cache-load",
-                                       "--dataloader-defer-npy-index-mmap", "--object-storage-cache-path", "/tmp/idx",
-                                       "--data-cache-path", "/tmp/cache",
-                                       "--per-dataset-sequences-path", counts_path])
+    data_flags = ["--mid-level-dataset-surplus", "0.05", "--allow-ambiguous-pad-tokens",
+                  "--num-dataset-builder-threads", "3", "--dataloader-fast-cache-load",
+                  "--dataloader-defer-npy-index-mmap", "--object-storage-cache-path", "/tmp/idx",
+                  "--data-cache-path", "/tmp/cache", "--per-dataset-sequences-path", counts_path]
+    args = example["parse_arguments"]([*TINY_ARGV, *data_flags])
     config = example["dataset_config"](args)
     return {name: getattr(config, name) for name in (
         "mid_level_dataset_surplus", "allow_ambiguous_pad_tokens", "num_dataset_builder_threads", "fast_cache_load",
