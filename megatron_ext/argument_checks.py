@@ -76,6 +76,18 @@ def _ext_flag_conflicts(args) -> list[str]:
     return problems + training_loop_conflicts(args)
 
 
+def _router_gemms_conflicts(args) -> list[str]:
+    """--moe-ext-router-gemms places the fused router's gating GEMMs only with bf16 tokens and an fp32
+    router (moe/fused_router.py); elsewhere Megatron's router dtype decides and the flag does nothing."""
+    gemms, bf16 = getattr(args, "moe_ext_router_gemms", "triton"), bool(getattr(args, "bf16", False))
+    router_dtype = getattr(args, "moe_router_dtype", None)
+    if gemms == "triton" or (bf16 and router_dtype == "fp32"):
+        return []
+    return [f"--moe-ext-router-gemms {gemms} places the fused router's gating GEMMs with bf16 tokens and an fp32 "
+            f"router, and this run has {'--bf16' if bf16 else 'no --bf16'} and --moe-router-dtype {router_dtype}: it "
+            f"would do nothing; drop it, or set --bf16 --moe-router-dtype fp32"]
+
+
 def training_loop_conflicts(args) -> list[str]:
     """What the training hooks (training_hooks.py) cannot do with Megatron's settings; they run on
     any model, whatever builds its MoE layers."""
@@ -162,6 +174,6 @@ def validate_against_megatron(args) -> None:
     if getattr(args, "num_experts", None) is not None:
         problems += _expert_conflicts(args)
         if args.moe_ext_dispatcher == "rowwise":
-            problems += _rowwise_conflicts(args) + _schedule_conflicts(args)
+            problems += _rowwise_conflicts(args) + _schedule_conflicts(args) + _router_gemms_conflicts(args)
     if problems:
         raise MoEExtArgumentError("megatron_ext cannot run with these flags:\n  - " + "\n  - ".join(problems))

@@ -268,6 +268,15 @@ def test_missing_group_is_a_clear_error():
         ext_config_from_args(argparse.Namespace(num_experts=8))
 
 
+def test_router_gemms_refused_where_the_router_dtype_leaves_nothing_to_place(megatron_parser):
+    """The fused router's gating GEMMs are placed only with bf16 tokens and an fp32 router."""
+    with pytest.raises(MoEExtArgumentError, match="--moe-ext-router-gemms cublas places .* no --bf16 and "
+                                                  "--moe-router-dtype None: it would do nothing"):
+        validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--moe-ext-router-gemms", "cublas"]))
+    validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--moe-ext-router-gemms", "cublas", "--bf16",
+                                                                   "--moe-router-dtype", "fp32"]))
+
+
 def test_off_flags_are_named_as_typed(megatron_parser):
     """A setting another one turns off is refused, and the message spells the --moe-ext-no-* flag."""
     args = _parse(megatron_parser, ["--moe-ext-no-fused-router", "--moe-ext-router-gemms", "cublas"])
