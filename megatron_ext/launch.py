@@ -241,8 +241,9 @@ def _refuse_moe_settings_without_experts(ext_config) -> None:
     """A dense model (no --num-experts) with MoE settings changed: refused, not ignored."""
     flags = _changed_moe_flags(ext_config)
     if flags:
-        raise MoEExtArgumentError(f"{flags} configure MoE layers, and this model has none (--num-experts is not "
-                                  f"set): set --num-experts for a MoE model, or drop them")
+        verb, them = ("configure", "them") if ", " in flags else ("configures", "it")
+        raise MoEExtArgumentError(f"{flags} {verb} MoE layers, and this model has none (--num-experts is not set): set "
+                                  f"--num-experts for a MoE model, or drop {them}")
 
 
 def _resolve_spec(spec: list[str]) -> None:

@@ -274,7 +274,7 @@ PARSE_ONLY = """
 
 @pytest.mark.parametrize("flags,message", [
     (["--moe-ext-lease-slots", "0"], "--moe-ext-lease-slots must be >= 1"),
-    (["--moe-ext-dropless"], "--moe-ext-dropless configure MoE layers, and this model has none"),
+    (["--moe-ext-dropless"], "--moe-ext-dropless configures MoE layers, and this model has none"),
     (MOE_MODEL + ["--spec", "megatron_ext.no_such_module", "gpt_block_spec"], "cannot import megatron_ext.no_such"),
 ], ids=["bad_value", "dense_model", "bad_spec"])
 def test_user_errors_exit_2_with_one_message_and_no_traceback(tmp_path, flags, message):
