@@ -40,6 +40,7 @@ def what_is_held(ext_config, spell=config_words, ep_size: int | None = None) -> 
 
 
 def how_to_drop_none(ext_config, spell=config_words) -> str:
+    """The settings that stop the drops (not the arena to a run already on it)."""
     if ext_config.dropless_arena:
         return (f"To stop with an error instead: {spell('on_overflow', 'error')} (the arena's default). To drop none "
                 f"at any load: {spell('dropless', True)} in place of the arena (worst-case buffers)")
