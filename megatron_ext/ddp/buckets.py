@@ -72,16 +72,27 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _tensor_parallel_size() -> int:
+    """Megatron's TP size where its parallel state is initialized (1 otherwise: a loop of one's own)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
 def _refuse_finalize_reductions(named) -> None:
     """Megatron's finalize_model_grads reduces some gradients beyond the replica groups (0.19.2):
     sequence-parallel norms and router over TP (attribute `sequence_parallel`, or
-    `average_gradients_across_tp_domain`), the embedding shared by the first and last pipeline
+    `average_gradients_across_tp_domain`), q/k layernorms over TP (by name, with qk_layernorm: each
+    TP rank's heads give a partial gradient), the embedding shared by the first and last pipeline
     stages (`shared_embedding`). MultiGroupGradBuckets does not run those reductions, so such a
     model would train each TP rank or stage on its own partial gradient: refused."""
     needs = {"sequence_parallel": "summed over tensor-parallel ranks (sequence parallelism)",
              "average_gradients_across_tp_domain": "averaged over tensor-parallel ranks",
              "shared_embedding": "summed over the first and last pipeline stages (shared embedding)"}
     found = [(name, why) for name, param in named for attr, why in needs.items() if getattr(param, attr, False)]
+    if any("q_layernorm" in name or "k_layernorm" in name for name, _ in named) and _tensor_parallel_size() > 1:
+        found += [(name, "summed over tensor-parallel ranks (qk_layernorm: each rank's heads give part of it)")
+                  for name, _ in named if "q_layernorm" in name or "k_layernorm" in name]
     if found:
         names = ", ".join(repr(name) for name, _ in found[:3]) + (" ..." if len(found) > 3 else "")
         raise ValueError(f"MultiGroupGradBuckets reduces each gradient over its replica group only (DP x CP, EP_DP); "

@@ -183,11 +183,12 @@ class _OrderedLauncher:
 
 
 def launch_order(ddp) -> list:
-    """Every bucket group (dense and expert), sorted by when backward completes it: the group whose
-    last-registered parameter comes latest in the model goes first. Same on every rank."""
+    """Every bucket group (dense and expert), sorted by when backward completes it: backward reaches
+    parameters about in reverse registration order, so a group is complete at its first-registered
+    parameter, and the group whose first parameter comes latest goes first. Same on every rank."""
     index = {id(p): i for i, p in enumerate(ddp.module.parameters())}
     groups = ddp.bucket_groups + ddp.expert_parallel_bucket_groups
-    return sorted(groups, key=lambda bg: -max(index[id(p)] for b in bg.buckets for p in b.params_list))
+    return sorted(groups, key=lambda bg: -min(index[id(p)] for b in bg.buckets for p in b.params_list))
 
 
 def install_fixed_launch_order(ddp) -> _OrderedLauncher:

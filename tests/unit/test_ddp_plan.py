@@ -206,3 +206,44 @@ def test_buckets_refuse_parameters_that_finalize_model_grads_reduces_beyond_the_
     setattr(model[1].weight, attr, True)
     with pytest.raises(ValueError, match=rf"'1.weight' must also be {why}.* by Megatron's finalize_model_grads"):
         MultiGroupGradBuckets(torch.nn.Sequential(*model), {DENSE: None, EXPERT: None})
+
+
+def test_buckets_refuse_qk_layernorms_under_tensor_parallelism(monkeypatch):
+    """finalize_model_grads sums q/k layernorm gradients over TP by name (qk_layernorm, 0.19.2): each TP
+    rank's heads give part of them. A review's TP2 run with MultiGroupGradBuckets left the two TP
+    ranks' q/k norms apart with no error."""
+    from megatron_ext.ddp import buckets
+    from megatron_ext.ddp.buckets import MultiGroupGradBuckets
+
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 4), "q_layernorm": torch.nn.LayerNorm(4),
+                                 "k_layernorm": torch.nn.LayerNorm(4)})
+    MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None})  # TP = 1: nothing to sum
+    monkeypatch.setattr(buckets, "_tensor_parallel_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"'q_layernorm.weight', 'q_layernorm.bias', 'k_layernorm.weight' \.\.\. must "
+                                         r"also be summed over tensor-parallel ranks \(qk_layernorm"):
+        MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None})
+    MultiGroupGradBuckets(torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 4)}), {DENSE: None, EXPERT: None})
+
+
+def test_bucket_groups_launch_in_the_order_backward_completes_them():
+    """A group is complete when backward reaches its first-registered parameter. A review's tiny GPT:
+    a dense group spanning layers 1-3 and the output layer went first by its last parameter, so the
+    experts' groups of those layers waited for it, and layer 0's for the embedding."""
+    from types import SimpleNamespace
+
+    from megatron_ext.ddp.megatron_hook import launch_order
+
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(6)]  # registration order 0..5
+    module = torch.nn.Module()
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+
+    def group(name, *indices):
+        return SimpleNamespace(name=name, buckets=[SimpleNamespace(params_list=[params[i] for i in indices])])
+
+    dense_late, experts_2, dense_early, experts_0 = (group("D[1,2,3,5]", 1, 2, 3, 5), group("E[4]", 4),
+                                                     group("D[0]", 0), group("E[2]", 2))
+    ddp = SimpleNamespace(module=module, bucket_groups=[dense_late, dense_early],
+                          expert_parallel_bucket_groups=[experts_0, experts_2])
+    # backward reaches 5, 4, 3, 2, 1, 0: E[4] is complete first, then E[2], D[1,2,3,5] at 1, D[0] last
+    assert [g.name for g in launch_order(ddp)] == ["E[4]", "E[2]", "D[1,2,3,5]", "D[0]"]
