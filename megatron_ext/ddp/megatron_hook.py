@@ -73,7 +73,8 @@ def install_replica_groups(ddp, dense_group, expert_group) -> list[str]:
     `expert_group` (EP_DP); return one line per bucket group saying what was found.
 
     Same ranks: kept (verified). Same size, other ranks: the mesh's group replaces Megatron's
-    (shard layout unchanged). Other size: ValueError, since buffers were padded and scaled for
+    (bucket layout unchanged; refused under the distributed optimizer, whose shards follow each
+    rank's index in the old group). Other size: ValueError, since buffers were padded and scaled for
     Megatron's size; build the DDP with `pg_collection=ddp_pg_collection(...)` instead.
     Also checks each bucket's gradient scaling equals 1 / |dense_group| (the averaging rule).
     """
@@ -95,6 +96,13 @@ def install_replica_groups(ddp, dense_group, expert_group) -> list[str]:
                     f"folding mesh's {label} replica group has {len(want)} ranks {want}; its buffers "
                     f"were laid out for the other size. Build DistributedDataParallel with "
                     f"pg_collection=ddp_pg_collection(folding_groups) or from FoldingMesh.create_groups().")
+            if config.use_distributed_optimizer:
+                raise ValueError(
+                    f"Megatron's {label} bucket group {i} reduces over ranks {have}, the folding mesh's {label} "
+                    f"replica group is {want}: under the distributed optimizer each rank's shard follows its index "
+                    f"in the group the DDP was built with, so the group cannot be swapped afterwards. Build "
+                    f"DistributedDataParallel with pg_collection=ddp_pg_collection(folding_groups) or from "
+                    f"FoldingMesh.create_groups().")
             _set_collective_group(ddp, bucket_group, group)
             report.append(f"{label} bucket group {i}: replaced ranks {have} with the mesh's {want}")
             logger.warning("megatron_ext: Megatron's DDP reduced %s bucket group %d over ranks %s; it now reduces over "

@@ -462,6 +462,10 @@ def _megatron_group_swap_rank(rank, world):
         errors.append(float((fc1.main_grad - ref["moe.experts.fc1_weight"][experts.start:experts.stop]).abs().max()))
     with pytest.raises(ValueError, match="expert bucket group 0 reduces over 2 ranks"):
         install_replica_groups(ddp, folding.dp_cp_group, folding.dp_cp_group)
+    sharded = FoldingDistributedDataParallel(model.moe.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True), build(ep=2)[0], folding_groups=folding)
+    with pytest.raises(ValueError, match="under the distributed optimizer each rank's shard follows its index"):
+        install_replica_groups(sharded, folding.dp_cp_group, folding.ep_mp_group)
     return errors
 
 
