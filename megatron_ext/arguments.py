@@ -165,8 +165,9 @@ def flag_words(field: str, value=None) -> str:
     """A setting as the command line spells it: `--moe-ext-capacity-factor 1.25`, a switch alone
     (`--moe-ext-dropless`), or the flag alone when `value` is None."""
     flag = FLAG_OF_FIELD[field]
-    return flag if value is None or value is True else f"{flag} {value:g}" if isinstance(value, float) else \
-        f"{flag} {value}"
+    if value is None or value is True:
+        return flag
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
 def _default(field: str):

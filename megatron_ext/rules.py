@@ -171,8 +171,8 @@ def _router_blocks_capture(settings) -> list[str]:
     settings (cuda_graphs/blockers.capture_blockers finds the same at run time, where the layer then
     stays eager): refused at start-up instead of a graphed run that is not. The global aux loss's
     group (TP x DP x CP) is left to run time: the data-parallel size is not a setting."""
-    tp_cp = (getattr(settings, "tensor_model_parallel_size", 1) or 1) * (getattr(settings, "context_parallel_size", 1)
-                                                                        or 1)
+    tp = getattr(settings, "tensor_model_parallel_size", 1) or 1
+    tp_cp = tp * (getattr(settings, "context_parallel_size", 1) or 1)
     coeffs = _balancing_coeffs(settings)
     nccl = ("(NCCL inside the layer, and a graph holding NCCL work keeps destroy_process_group from returning); "
             "drop one")

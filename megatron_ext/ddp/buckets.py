@@ -90,9 +90,10 @@ def _refuse_finalize_reductions(named) -> None:
              "average_gradients_across_tp_domain": "averaged over tensor-parallel ranks",
              "shared_embedding": "summed over the first and last pipeline stages (shared embedding)"}
     found = [(name, why) for name, param in named for attr, why in needs.items() if getattr(param, attr, False)]
-    if any("q_layernorm" in name or "k_layernorm" in name for name, _ in named) and _tensor_parallel_size() > 1:
+    qk_norms = [name for name, _ in named if "q_layernorm" in name or "k_layernorm" in name]
+    if qk_norms and _tensor_parallel_size() > 1:
         found += [(name, "summed over tensor-parallel ranks (qk_layernorm: each rank's heads give part of it)")
-                  for name, _ in named if "q_layernorm" in name or "k_layernorm" in name]
+                  for name in qk_norms]
     if found:
         names = ", ".join(repr(name) for name, _ in found[:3]) + (" ..." if len(found) > 3 else "")
         raise ValueError(f"MultiGroupGradBuckets reduces each gradient over its replica group only (DP x CP, EP_DP); "
