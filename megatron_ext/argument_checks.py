@@ -99,10 +99,9 @@ def ddp_bucket_conflicts(args) -> list[str]:
     FSDP wrappers have none, and a partial distributed optimizer needs groups it does not build."""
     if not getattr(args, "moe_ext_ddp_buckets", False):
         return []
-    fsdp = (("--use-megatron-fsdp", "use_megatron_fsdp"), ("--use-torch-fsdp2", "use_torch_fsdp2"))
     problems = [f"--moe-ext-ddp-buckets with {flag}: the model is then wrapped in FSDP, not Megatron's "
                 f"DistributedDataParallel whose buckets it orders; drop one of the two"
-                for flag, field in fsdp if getattr(args, field, False)]
+                for flag, field in FSDP_FLAGS if getattr(args, field, False)]
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
     if instances != 1:
         problems.append(f"--moe-ext-ddp-buckets with --num-distributed-optimizer-instances {instances}: a partial "
@@ -111,15 +110,25 @@ def ddp_bucket_conflicts(args) -> list[str]:
     return problems
 
 
+FSDP_FLAGS = (("--use-megatron-fsdp", "use_megatron_fsdp"), ("--use-torch-fsdp2", "use_torch_fsdp2"))
+
+
 def replica_check_conflicts(args) -> list[str]:
-    """The replica check compares parameters right after Megatron's train_step; with
-    --overlap-param-gather the distributed optimizer gathers the updated shards in the next
-    forward instead (0.19.2), so replicas differ there by design and the check would stop a good run."""
-    if getattr(args, "moe_ext_replica_check_interval", 0) and getattr(args, "overlap_param_gather", False):
-        return ["--moe-ext-replica-check-interval with --overlap-param-gather: the distributed optimizer gathers "
-                "the updated parameters in the next forward, so right after a step each data-parallel rank holds "
-                "only its own shard's update and the check would report every parameter; drop one of the two"]
-    return []
+    """The replica check compares each rank's whole parameters right after Megatron's train_step.
+    With --overlap-param-gather the distributed optimizer gathers the updated shards in the next
+    forward instead (0.19.2), so replicas differ there by design and the check would stop a good run;
+    under FSDP each data-parallel rank holds a different shard, so there is no replica to compare."""
+    if not getattr(args, "moe_ext_replica_check_interval", 0):
+        return []
+    problems = [f"--moe-ext-replica-check-interval with {flag}: FSDP gives each data-parallel rank a different "
+                f"shard of every parameter, so the ranks hold no replicas to compare; drop one of the two"
+                for flag, field in FSDP_FLAGS if getattr(args, field, False)]
+    if getattr(args, "overlap_param_gather", False):
+        problems.append("--moe-ext-replica-check-interval with --overlap-param-gather: the distributed optimizer "
+                        "gathers the updated parameters in the next forward, so right after a step each "
+                        "data-parallel rank holds only its own shard's update and the check would report every "
+                        "parameter; drop one of the two")
+    return problems
 
 
 def _expert_conflicts(args) -> list[str]:

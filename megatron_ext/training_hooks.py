@@ -108,8 +108,23 @@ def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: 
         from megatron_ext.ddp.buckets import groups_from_parallel_state
         from megatron_ext.ddp.replica_check import maybe_check_replicas
 
-        for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        for index, chunk in enumerate(chunks):
+            _refuse_fsdp(chunk, index, "--moe-ext-replica-check-interval",
+                         "FSDP gives each data-parallel rank a different shard of every parameter, so the ranks "
+                         "hold no replicas to compare")
+        for chunk in chunks:
             maybe_check_replicas(iteration, config.replica_check_interval, chunk, groups_from_parallel_state())
+
+
+def _refuse_fsdp(chunk, index: int, flag: str, why: str) -> None:
+    """Raise where model chunk `index` is wrapped in FSDP (Megatron's or torch's, as megatron.core.distributed
+    exports them in 0.19.2): the launcher refuses `flag` with the FSDP flags at start-up, this covers other scripts."""
+    from megatron.core.distributed import FullyShardedDataParallel, TorchFullyShardedDataParallel
+
+    if isinstance(chunk, (FullyShardedDataParallel, TorchFullyShardedDataParallel)):
+        raise TypeError(f"{flag} with model chunk {index} wrapped in {type(chunk).__name__}: {why}; drop {flag}, "
+                        f"or train with Megatron's DDP (no --use-megatron-fsdp / --use-torch-fsdp2)")
 
 
 def install_ddp_buckets(model) -> None:

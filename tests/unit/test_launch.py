@@ -340,6 +340,16 @@ def test_the_replica_check_is_refused_where_parameters_are_gathered_in_the_next_
         parse_with(hooked, model + check + ["--overlap-param-gather"])
 
 
+@pytest.mark.parametrize("fsdp", [["--use-megatron-fsdp", "--use-distributed-optimizer"], ["--use-torch-fsdp2"]],
+                         ids=["megatron_fsdp", "torch_fsdp2"])
+def test_the_replica_check_is_refused_under_fsdp(hooked, fsdp):
+    """FSDP gives each data-parallel rank a different shard of every parameter: no replicas to compare."""
+    parse_with(hooked, MOE_MODEL + fsdp)
+    with pytest.raises(launch.MoEExtArgumentError, match=f"--moe-ext-replica-check-interval with {fsdp[0]}: FSDP "
+                                                         f"gives each data-parallel rank a different shard"):
+        parse_with(hooked, MOE_MODEL + fsdp + ["--moe-ext-replica-check-interval", "5"])
+
+
 def test_probabilities_on_the_input_with_mxfp8_payloads_are_refused_at_start_up(hooked):
     flags = [*MOE_MODEL, "--moe-router-topk", "1", "--moe-apply-probs-on-input", "--hidden-size", "64"]
     parse_with(hooked, flags)

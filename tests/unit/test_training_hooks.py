@@ -190,3 +190,16 @@ def test_ddp_buckets_install_once_per_chunk_and_say_so(monkeypatch, capsys):
     assert installed[-1] is lone and len(installed) == 3
     with pytest.raises(TypeError, match="model chunk 1 is a Linear: drop --moe-ext-ddp-buckets"):
         training_hooks.install_ddp_buckets([lone, torch.nn.Linear(2, 2)])
+
+
+def test_the_replica_check_refuses_fsdp_chunks_from_any_script():
+    """Other scripts than the launcher: an FSDP chunk holds shards, not replicas; refused before any collective."""
+    import pytest
+    from megatron.core.distributed import FullyShardedDataParallel, TorchFullyShardedDataParallel
+
+    for wrapper in (FullyShardedDataParallel, TorchFullyShardedDataParallel):
+        chunk = wrapper.__new__(wrapper)  # the type is what is checked; no process group needed
+        torch.nn.Module.__init__(chunk)
+        with pytest.raises(TypeError, match=f"--moe-ext-replica-check-interval with model chunk 1 wrapped in "
+                                            f"{wrapper.__name__}: FSDP gives each data-parallel rank a different"):
+            training_hooks.after_train_step([torch.nn.Linear(2, 2), chunk], 5, MoEExtConfig(replica_check_interval=5))
