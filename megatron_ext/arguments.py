@@ -111,7 +111,8 @@ FLAGS: tuple[ExtFlag, ...] = (
             help="Every N iterations (after Megatron's train_step, under any training script) compare parameter "
                  "checksums across each replica group (dense over DP x CP, experts over expert-data-parallel) "
                  "and stop naming the first parameter that disagrees; synchronizes, so 0 (never) is the default. "
-                 "Refused with --overlap-param-gather (parameters are gathered in the next forward)."),
+                 "Refused with --overlap-param-gather (parameters are gathered in the next forward) and under FSDP "
+                 "(`--use-megatron-fsdp`, `--use-torch-fsdp2`: ranks hold shards, not replicas)."),
     ExtFlag("debug_poison", "--moe-ext-debug-poison", "on",
             help="Debug: fill capacity tails and freshly taken receive buffers (dispatch slots, scratch, arena "
                  "slots) with NaN, fenced across EP ranks, so stale reads show up."),
@@ -233,7 +234,8 @@ def ext_config_to_argv(config: MoEExtConfig) -> list[str]:
 
 def _name_flags(message: str) -> str:
     """Rewrite MoEExtConfig field names in an error message as the flags that set them
-    ("dispatcher='rowwise'" -> "--moe-ext-dispatcher rowwise", "dropless=True" -> "--moe-ext-dropless")."""
+    ("dispatcher='rowwise'" -> "--moe-ext-dispatcher rowwise", "dropless=True" -> "--moe-ext-dropless",
+    "(or None)" -> "(or leave the flag out)")."""
     for flag in FLAGS:
         def spell(match, flag=flag):
             value = match.group(1)
@@ -245,7 +247,7 @@ def _name_flags(message: str) -> str:
         # A bare name only where it cannot be prose ("dropless_arena", not "the dropless arena").
         bare = "?" if "_" in flag.field else ""
         message = re.sub(rf"\b{flag.field}\b(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+)){bare}", spell, message)
-    return message
+    return message.replace(" (or None)", " (or leave the flag out)")  # a field's None is a flag not given
 
 
 # ---- documentation --------------------------------------------------------------------------------

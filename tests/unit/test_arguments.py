@@ -287,6 +287,17 @@ def test_off_flags_are_named_as_typed(megatron_parser):
     assert "fused_router" not in message.replace("--moe-ext-no-fused-router", ""), message
 
 
+@pytest.mark.parametrize("flag, value, said", [
+    ("--moe-ext-max-tokens-per-rank", "0", "--moe-ext-max-tokens-per-rank must be >= 1 (or leave the flag out), got 0"),
+    ("--moe-ext-peer-timeout-s", "-1", "--moe-ext-peer-timeout-s must be > 0 seconds (or leave the flag out), got -1"),
+])
+def test_a_fields_none_reads_as_a_flag_left_out(megatron_parser, flag, value, said):
+    """On the command line a field's None is the flag not given; the message says so."""
+    with pytest.raises(MoEExtArgumentError) as error:
+        ext_config_from_args(_parse(megatron_parser, MOE_MODEL + [flag, value]))
+    assert said in str(error.value) and "None" not in str(error.value), str(error.value)
+
+
 def test_megatrons_mtp_block_still_ignores_the_spec():
     """--mtp-num-layers is refused because megatron.training (0.19.2) builds the MTP block from its
     own decoder layer specs; if it starts honoring --spec, this fails and the refusal can go."""
