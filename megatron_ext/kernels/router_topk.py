@@ -49,9 +49,11 @@ def _load_logits(logits_ptr, block, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.con
 
 @triton.jit
 def _softmax_rows(logits, keep):
-    """Row softmax of `logits` over the entries where `keep` is set, 0 elsewhere."""
+    """Row softmax of `logits` over the entries where `keep` is set, 0 elsewhere. A row whose kept
+    logits are all -inf gives NaN, as torch's softmax does (counted as non-finite, not routed at 0)."""
     top = tl.max(tl.where(keep, logits, float("-inf")), axis=1)
-    top = tl.where(top == float("-inf"), 0.0, top)  # rows with nothing kept: no inf - inf
+    kept_any = tl.max(keep.to(tl.int32), axis=1) > 0
+    top = tl.where(kept_any, top, 0.0)  # rows with nothing kept (past T): 0, not inf - inf
     exp = tl.where(keep, tl.exp(logits - top[:, None]), 0.0)
     total = tl.sum(exp, axis=1)
     return exp / tl.where(total == 0.0, 1.0, total)[:, None]

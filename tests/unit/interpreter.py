@@ -65,11 +65,13 @@ def shard(items, spec: str | None) -> list:
 def interpreter_ready() -> bool:
     """An interpreter script's first call (with the repository on sys.path): False, after saying so,
     unless TRITON_INTERPRET=1 is set; else Triton's per-helper re-patch is skipped
-    (`patch_lang_once_per_kernel`) and True."""
+    (`patch_lang_once_per_kernel`), fp32 -> bf16 casts round as on a GPU (`fix_interpreter_bf16_cast`),
+    and True."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 in the environment before running this script", file=sys.stderr)
         return False
     patch_lang_once_per_kernel()
+    fix_interpreter_bf16_cast()
     return True
 
 
@@ -138,3 +140,27 @@ def fix_interpreter_bf16_dot() -> None:
 
     upcast_dot.upcasts_bf16 = True
     builder.create_dot = upcast_dot
+
+
+def fix_interpreter_bf16_cast() -> None:
+    """Triton's interpreter (3.7) casts fp32 to bf16 by truncation (no rounding mode reaches its
+    float conversion); a GPU rounds to nearest even, as torch does. Cast through torch instead, so
+    the interpreter rounds as the GPU kernels do and the checks can ask for GPU-tight tolerances."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "rounds_to_nearest_even", False):
+        return
+    cast_impl = builder.cast_impl
+
+    def rounding_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.tensor(np.asarray(src.data, dtype=np.float32)).bfloat16()
+            return interpreter.TensorHandle(values.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    rounding_cast.rounds_to_nearest_even = True
+    builder.cast_impl = rounding_cast

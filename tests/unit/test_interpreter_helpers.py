@@ -3,9 +3,10 @@
 from tests.unit.interpreter import run_shards, run_under_interpreter, shard
 
 
-def test_patch_lang_once_per_kernel_keeps_every_launch_patched():
+def test_interpreter_patches_keep_every_launch_patched_and_round_bf16_as_a_gpu():
     out = run_under_interpreter("_interpreter_patch_interp.py")
     assert "ok nested helpers patched once per launch" in out and "ok launches after a jit call" in out, out
+    assert "ok bf16 cast rounds as torch does" in out, out
 
 
 def test_shards_split_the_cases_without_overlap_or_gaps():
