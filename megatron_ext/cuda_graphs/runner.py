@@ -124,6 +124,8 @@ class GraphedMoELayer:
     def __init__(self, layer, num_slots: int, warmup_iters: int = 2):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if warmup_iters < 1:  # the eager steps create what capture cannot allocate (Megatron's aux-loss scale)
+            raise ValueError(f"warmup_iters must be >= 1, got {warmup_iters}")
         lease_slots = getattr(getattr(layer, "ext_config", None), "lease_slots", num_slots)
         if lease_slots < num_slots:
             raise ValueError(f"{num_slots} graph slots need as many dispatch-buffer leases, but the layer has "
@@ -133,7 +135,9 @@ class GraphedMoELayer:
         self.warmup_iters = warmup_iters
         self.slots: list[_Slot] | None = None
         self.eager_reason: str | None = None
-        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self._all_params = list(layer.parameters())
+        self.params: list = []  # the trainable ones at capture: the captured backward differentiates these
+        self._captured_grad_flags: tuple[bool, ...] = ()
         self._static_grad_storage: set[int] = set()  # the slots' static parameter-gradient buffers
         self.main_grad_params: list = []  # whose gradients the captured backward adds to main_grad itself
         self._main_grad_addresses: list[int] = []  # where those main_grads were at capture
@@ -142,8 +146,15 @@ class GraphedMoELayer:
     def __call__(self, hidden: torch.Tensor):
         if self.eager_reason is not None:
             return self.forward_fn(hidden)
+        grad_flags = tuple(p.requires_grad for p in self._all_params)
+        if not hidden.requires_grad and not any(grad_flags):
+            # Nothing to differentiate (a frozen layer under frozen layers): a replay's backward would
+            # never run to free its slot; the eager dispatcher keeps its own backward (moe/dispatcher.py)
+            return self.forward_fn(hidden)
         if self.slots is not None and main_grads_moved(self.main_grad_params, self._main_grad_addresses):
             self._drop_for_moved_main_grads()
+        if self.slots is not None and grad_flags != self._captured_grad_flags:
+            self._drop_for_changed_trainable_params()
         if self.slots is None:
             reasons = capture_blockers(self.layer, hidden)
             if reasons:
@@ -171,6 +182,21 @@ class GraphedMoELayer:
         logger.info("megatron_ext: %s; capturing again", problem)
         self.reset()
 
+    def _drop_for_changed_trainable_params(self) -> None:
+        """A parameter of the layer was frozen or unfrozen since capture (e.g. --freeze-all-layers after
+        the model was built, staged unfreezing): the captured backward differentiates the old set, so
+        a newly trainable parameter would get no gradient. Capture again, as for moved main_grads."""
+        problem = ("parameters of the MoE layer were frozen or unfrozen since its CUDA graphs were captured (the "
+                   "captured backward gives gradients to the parameters trainable at capture)")
+        if any(slot.busy for slot in self.slots):
+            raise RuntimeError(f"{problem} while microbatches are live in the graphs; change requires_grad "
+                               f"between iterations")
+        if ep_group_of(self.layer) is not None:
+            raise RuntimeError(f"{problem}; at EP > 1 call megatron_ext.cuda_graphs.release_cuda_graphs(model) on "
+                               f"every rank after changing them, so that all ranks capture again together")
+        logger.info("megatron_ext: %s; capturing again", problem)
+        self.reset()
+
     def _fall_back(self, reason: str, hidden: torch.Tensor):
         self.eager_reason = reason
         logger.warning("megatron_ext: MoE layer runs eagerly, not from CUDA graphs: %s", reason)
@@ -183,6 +209,7 @@ class GraphedMoELayer:
         error in the warm-up with one rank; at EP > 1 the warm-up's eager steps pass device
         barriers that the peers are already waiting in, so it is raised (WarmUpFailed)."""
         pool = self._lease_pool()
+        self._take_trainable_params()
         try:
             if pool is not None and pool.live:
                 raise CaptureFailed(f"{pool.live} dispatch-buffer slot(s) hold live microbatches at capture time; "
@@ -211,6 +238,11 @@ class GraphedMoELayer:
         if reason is not None:
             self.reset()
         return reason
+
+    def _take_trainable_params(self) -> None:
+        """The parameters the warm-up and the captured backward differentiate: the trainable ones now."""
+        self.params = [p for p in self._all_params if p.requires_grad]
+        self._captured_grad_flags = tuple(p.requires_grad for p in self._all_params)
 
     def _warm_up_or_raise(self, hidden: torch.Tensor) -> None:
         try:

@@ -10,6 +10,8 @@ rejected up front with the flag to change.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -22,8 +24,12 @@ from megatron_ext.moe.fused_router import FusedTopKRouter
 from megatron_ext.moe.metric_sinks import MetricSinks, recomputing
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
+from megatron_ext.quiet import warn_once
 from megatron_ext.rules import (MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings, changed_after_build, expert_problems,
                                 graph_runner_clash, moe_problems, rowwise_problems)
+
+logger = logging.getLogger(__name__)
+
 
 def check_megatron_config(config, ext_config: MoEExtConfig | None = None) -> None:
     """Refuse TransformerConfig settings the rowwise layer cannot run with (megatron_ext.rules)."""
@@ -87,9 +93,13 @@ class RowwiseMoELayer(MoELayer):
         changed = changed_after_build(self.config)
         if changed:  # e.g. Megatron's decode padding: its router would pick more than top-k experts
             raise ValueError(changed)
-        if self._graph_runner is not None and intermediate_tensors is None and padding_mask is None \
-                and self.training and torch.is_grad_enabled():
-            return self._graph_runner(hidden_states)
+        if self._graph_runner is not None and self.training and torch.is_grad_enabled():
+            if intermediate_tensors is None and padding_mask is None:
+                return self._graph_runner(hidden_states)
+            warn_once(logger, "megatron_ext: training microbatches with a padding_mask or intermediate_tensors run "
+                              "the MoE layer eagerly, not from its CUDA graphs (captured without them); in a pipeline "
+                              "schedule with several live microbatches an eager one can hold the dispatch-buffer "
+                              "slot a graph replay needs (an error names the slot)")
         return self.eager_forward(hidden_states, intermediate_tensors, padding_mask)
 
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):

@@ -50,6 +50,7 @@ class _Layer(torch.nn.Module):
 
 def _captured(runner, slots: int):
     graph = SimpleNamespace(reset=lambda: None)
+    runner._take_trainable_params()  # as _capture_agreed does
     runner.slots = [SimpleNamespace(index=i, busy=False, lease=None, input=torch.zeros(2, 4), forward_graph=graph,
                                     backward_graph=graph) for i in range(slots)]
     return runner
@@ -75,6 +76,13 @@ def test_a_refused_arena_slot_gives_the_lease_back(monkeypatch):
     with pytest.raises(RuntimeError, match="another arena slot is open"):
         runner._acquire(torch.zeros(2, 4))
     assert pool.busy == [False, False] and not runner.slots[0].busy
+
+
+def test_the_runner_needs_a_slot_and_a_warm_up_step():
+    with pytest.raises(ValueError, match="num_slots must be >= 1, got 0"):
+        GraphedMoELayer(_Layer(), num_slots=0)
+    with pytest.raises(ValueError, match="warmup_iters must be >= 1, got 0"):
+        GraphedMoELayer(_Layer(), num_slots=1, warmup_iters=0)
 
 
 def test_all_slots_busy_names_the_setting():
@@ -183,6 +191,7 @@ def test_a_moved_main_grad_drops_the_graphs_at_the_next_call(monkeypatch):
 def _replayable(runner, layer, slots: int):
     """Captured slots whose 'graphs' compute x @ weight and its gradients into static buffers, as
     the CUDA graphs would (forward: output; backward: the input's and the weight's gradients)."""
+    runner._take_trainable_params()
     runner.slots = []
     for index in range(slots):
         slot = SimpleNamespace(index=index, busy=False, lease=None, input=torch.zeros(2, 4), output=torch.zeros(2, 4),
@@ -194,7 +203,8 @@ def _replayable(runner, layer, slots: int):
         def backward(s=slot):
             s.grads[0].copy_(s.grad_output @ layer.weight.detach().t())
             s.grads[1].copy_(s.input.t() @ s.grad_output)
-        slot.forward_graph, slot.backward_graph = SimpleNamespace(replay=forward), SimpleNamespace(replay=backward)
+        slot.forward_graph = SimpleNamespace(replay=forward, reset=lambda: None)
+        slot.backward_graph = SimpleNamespace(replay=backward, reset=lambda: None)
         runner.slots.append(slot)
     runner._static_grad_storage = {slot.grads[1].untyped_storage().data_ptr() for slot in runner.slots}
     return runner
@@ -340,17 +350,21 @@ def test_the_layer_hands_training_forwards_to_a_runner_with_one_slot_per_lease()
     assert seen[3] == "the input is on cpu, CUDA graphs need a GPU", seen
 
 
-def test_the_layer_keeps_forwards_with_megatrons_extra_arguments_eager():
+def test_the_layer_keeps_forwards_with_megatrons_extra_arguments_eager_and_says_so_once(caplog):
     from megatron_ext.moe.layer import RowwiseMoELayer
 
     calls = []
     layer = SimpleNamespace(config=SimpleNamespace(), training=True, _graph_runner=lambda h: calls.append("runner"),
                             eager_forward=lambda h, i, p: calls.append(("eager", i, p)))
     x = torch.randn(4, 1, 8, requires_grad=True)
-    RowwiseMoELayer.forward(layer, x)
-    RowwiseMoELayer.forward(layer, x, padding_mask="mask")
-    RowwiseMoELayer.forward(layer, x, intermediate_tensors="tensors")
+    with caplog.at_level("WARNING", logger="megatron_ext.moe.layer"):
+        RowwiseMoELayer.forward(layer, x)
+        assert not caplog.records
+        RowwiseMoELayer.forward(layer, x, padding_mask="mask")
+        RowwiseMoELayer.forward(layer, x, intermediate_tensors="tensors")
     assert calls == ["runner", ("eager", None, "mask"), ("eager", "tensors", None)]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "with a padding_mask or intermediate_tensors run the MoE layer eagerly" in said[0], said
 
 
 def test_a_moved_main_grad_with_one_of_two_slots_live_names_the_move():
@@ -364,3 +378,66 @@ def test_a_moved_main_grad_with_one_of_two_slots_live_names_the_move():
                                            "live in the graphs; re-create the buffers between iterations"):
         runner(torch.zeros(2, 4))
     assert runner.slots is not None
+
+
+def test_the_trainable_parameters_are_taken_at_capture_not_when_the_runner_is_built(monkeypatch):
+    """Megatron's --freeze-all-layers freezes after build_model: the warm-up and the captured
+    backward differentiate what is trainable at capture (a review found the build-time list, whose
+    frozen weight made autograd.grad raise and, at EP > 1, stop every rank with WarmUpFailed)."""
+    layer = _Layer()
+    runner = GraphedMoELayer(layer, num_slots=1)
+    layer.weight.requires_grad_(False)
+    differentiated = []
+    monkeypatch.setattr(runner, "_warm_up", lambda sample: differentiated.append(list(runner.params)))
+    monkeypatch.setattr(runner, "_capture", lambda sample: _captured(runner, 1))
+    assert runner._capture_agreed(torch.zeros(2, 4, requires_grad=True)) is None
+    assert differentiated == [[]] and runner.params == []
+
+
+@pytest.mark.parametrize("change", ["unfrozen", "frozen"])
+def test_a_parameter_frozen_or_unfrozen_since_capture_drops_the_graphs(monkeypatch, change):
+    """Staged unfreezing: a weight trainable only after capture would get no gradient from the
+    captured backward (silently). One rank captures again (on this CPU: runs eagerly, the weight's
+    gradient as eager gives it); at EP > 1, or with a microbatch live, the call stops and says why."""
+    layer = _Layer()
+    layer.weight.requires_grad_(change == "frozen")
+    runner = _replayable(GraphedMoELayer(layer, num_slots=1), layer, 1)
+    layer.weight.requires_grad_(change == "unfrozen")
+    x = torch.randn(2, 4, requires_grad=True)
+    runner.slots[0].busy = True
+    with pytest.raises(RuntimeError, match="frozen or unfrozen since its CUDA graphs were captured .* while "
+                                           "microbatches are live in the graphs; change requires_grad between"):
+        runner(x)
+    runner.slots[0].busy = False
+    monkeypatch.setattr(runner_module, "ep_group_of", lambda layer: "peers")
+    with pytest.raises(RuntimeError, match="at EP > 1 call megatron_ext.cuda_graphs.release_cuda_graphs"):
+        runner(x)
+    assert runner.slots is not None, "at EP > 1 no rank drops its graphs alone"
+    monkeypatch.setattr(runner_module, "ep_group_of", lambda layer: None)
+    out, _ = runner(x)
+    assert runner.slots is None, "dropped, to be captured again"
+    out.sum().backward()
+    if change == "unfrozen":
+        torch.testing.assert_close(layer.weight.grad, x.detach().t() @ torch.ones(2, 4))
+    else:
+        assert layer.weight.grad is None
+    torch.testing.assert_close(x.grad, torch.ones(2, 4) @ layer.weight.detach().t())
+
+
+def test_a_forward_with_nothing_to_differentiate_runs_eagerly_and_takes_no_slot():
+    """A frozen layer whose input needs no gradient: a replay's output would need none either, so its
+    backward (which frees the slot, lease and arena slot) would never run and the next microbatch
+    would find every slot taken. It runs eagerly, where the dispatcher keeps its backward."""
+    layer = _Layer(_Pool(1))
+    layer.ext_config = MoEExtConfig(lease_slots=1)
+    layer.weight.requires_grad_(False)
+    runner = _replayable(GraphedMoELayer(layer, num_slots=1), layer, 1)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        out, _ = runner(x)
+        assert torch.equal(out, x @ layer.weight) and not runner.slots[0].busy
+        assert layer.token_dispatcher.transport.pool.busy == [False]
+    out, _ = runner(torch.randn(2, 4, requires_grad=True))  # a gradient to the input: replayed
+    assert runner.slots[0].busy
+    out.sum().backward()
+    assert not runner.slots[0].busy
