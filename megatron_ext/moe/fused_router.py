@@ -208,6 +208,11 @@ class FusedTopKRouter(TopKRouter):
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if self.unfused or padding_mask is not None or not input.is_cuda:
             return super().forward(input, padding_mask)
+        return self.fused_forward(input)
+
+    def fused_forward(self, input: torch.Tensor):
+        """(top-k probabilities [T, K] with the load-balancing loss attached as Megatron attaches it,
+        Selection). On CPU tensors it runs only under Triton's interpreter (the unit checks)."""
         num_tokens = input.numel() // input.shape[-1]
         logits_dtype = torch.float32 if self.config.moe_router_dtype == "fp32" else input.dtype
         coeff = self.get_aux_loss_coeff("aux_loss")

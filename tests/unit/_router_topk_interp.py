@@ -2,9 +2,9 @@
 own gating and routing functions under Triton's CPU interpreter: the same routing map, top-k
 probabilities, counts, load-balancing loss and token and weight gradients, with and without
 pre-softmax, a scaling factor, top-1, expert counts that are not powers of two, token counts that
-are not multiples of a block, bf16 logits, and a token whose logits hold a NaN (counted as
-non-finite, as Megatron's routing would give NaN); ties at the top-k boundary go to the lowest
-expert id.
+are not multiples of a block, bf16 logits, and a token whose logits hold a NaN or are all -inf
+(counted as non-finite, as Megatron's routing would give NaN); ties at the top-k boundary go to the
+lowest expert id; and the FusedTopKRouter module's fused path against Megatron's TopKRouter.
 
     TRITON_INTERPRET=1 python tests/unit/_router_topk_interp.py
 """
@@ -267,6 +267,65 @@ def check_token_with_all_logits_minus_inf() -> None:
     print("ok token with every logit -inf")
 
 
+def check_router_module() -> None:
+    """FusedTopKRouter.fused_forward (what the layer runs on a GPU) against Megatron's TopKRouter on the
+    same weights and tokens, in training with the switch load-balancing loss: routes, probabilities,
+    the loss Megatron's tracker logs, and the token and weight gradients with the loss's gradient
+    attached by Megatron's autoscaler; fp32 and an fp32 router under bf16 tokens (the gating GEMMs
+    in the kernel). A CPU forward still takes Megatron's own path."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_ext.moe.fused_router import FusedTopKRouter
+    from megatron_ext.testing.megatron_moe import moe_config
+    from megatron_ext.testing.reference import assert_close
+    from megatron_ext.testing.single_rank import init_single_rank_megatron
+
+    init_single_rank_megatron()
+    gen = torch.Generator().manual_seed(23)
+    for dtype, router_dtype, pre_softmax in ((torch.float32, None, False), (torch.bfloat16, "fp32", False),
+                                             (torch.float32, None, True)):
+        case = f"router module {dtype} router dtype {router_dtype} pre_softmax={pre_softmax}"
+        config = moe_config(hidden=48, experts=16, topk=4, dtype=dtype, moe_router_load_balancing_type="aux_loss",
+                            moe_aux_loss_coeff=0.01, moe_router_dtype=router_dtype, moe_router_pre_softmax=pre_softmax)
+        routers = [cls(config=config, pg_collection=get_default_pg_collection()) for cls in (TopKRouter,
+                                                                                             FusedTopKRouter)]
+        with torch.no_grad():
+            routers[1].weight.copy_(routers[0].weight)
+        tokens = torch.randn(10, 3, 48, generator=gen).to(dtype)
+        d_probs = torch.randn(30, 16, generator=gen)
+        results = []
+        for router, fused_path in zip(routers, (False, True)):
+            router.set_layer_number(1)
+            router.train()
+            assert not fused_path or not router.unfused, router.unfused
+            tracker = get_moe_metrics_tracker()
+            tracker.clear()
+            leaf = tokens.clone().requires_grad_(True)
+            if fused_path:
+                probs, selection = router.fused_forward(leaf)
+                ids = selection.top_idx.long()
+                routing_map = selection.routing_map.bool()
+                full = torch.zeros(30, 16).scatter(1, ids, probs.detach().float())
+                (probs * d_probs.gather(1, ids)).sum().backward()
+            else:
+                full, routing_map = router(leaf)
+                (full.float() * d_probs).sum().backward()
+            loss = tracker.metrics["load_balancing_loss"].values.clone()
+            results.append((routing_map, full.detach().float(), loss, leaf.grad.float(), router.weight.grad.float()))
+        (map_ref, probs_ref, loss_ref, *grads_ref), (map_got, probs_got, loss_got, *grads_got) = results
+        assert torch.equal(map_got, map_ref), f"{case}: routes"
+        torch.testing.assert_close(probs_got, probs_ref, rtol=1e-6 if dtype == torch.float32 else 2 ** -8, atol=1e-7,
+                                   msg=lambda m: f"{case}: probabilities\n{m}")
+        torch.testing.assert_close(loss_got, loss_ref, rtol=1e-5, atol=0, msg=lambda m: f"{case}: logged loss\n{m}")
+        for name, got, want in zip(("token", "weight"), grads_got, grads_ref):
+            assert_close(got, want, 1e-5 if dtype == torch.float32 else 2e-2, f"{case}: {name} gradient")
+        cpu_probs, cpu_map = routers[1](tokens)  # CPU tensors: Megatron's path, its [T, E] outputs
+        assert cpu_probs.shape == (30, 16) and torch.equal(cpu_map, map_ref), f"{case}: CPU path"
+        print(f"ok {case}")
+
+
 def check_ties() -> None:
     """Equal logits at the top-k boundary: the lowest expert id wins (torch.topk leaves the order
     of ties unspecified; on bf16 logits they happen)."""
@@ -304,6 +363,7 @@ def main() -> int:
     check_gate_in_kernel()
     check_strided_tokens()
     check_token_with_all_logits_minus_inf()
+    check_router_module()
     check_ties()
     print("all fused-router checks passed")
     return 0
