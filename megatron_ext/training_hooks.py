@@ -1,15 +1,18 @@
-"""megatron_ext's per-iteration work inside megatron.training: routing metrics and replica checks,
-and the dropless arena's attachment before the first step (moe/arena.py).
+"""megatron_ext's per-iteration work inside megatron.training: routing metrics, drop reports,
+overflow and replica checks, and the dropless arena's attachment before the first step (moe/arena.py).
 
 `--moe-ext-metrics-interval N` prints rank 0's routing metrics every N iterations (one host read
 of the device-side counters); `--moe-ext-replica-check-interval N` checks every N iterations
-that replicas agree (a collective: every rank runs it after the same iterations). Both run after
-Megatron's `train_step`, whichever script drives training (an unmodified pretrain_gpt.py under
-`python -m megatron_ext.launch`, or examples/pretrain_gpt.py): `install` wraps
-`megatron.training.training.train_step`, which `train()` calls by its module-level name, and,
-with the dropless arena, `evaluate`, which `evaluate_and_print_results` calls by name (an
-evaluation can come first: `--skip-train`). Those wraps are the only Megatron training internals
-touched here (checked by `check_hook_point`; megatron-core 0.19.2, see megatron_ext.rules).
+that replicas agree (a collective: every rank runs it after the same iterations); bounded
+dropless checks for overflow, and capacity-bounded layers report their drops, every
+--log-interval iterations and after the last one. Iterations are counted from 1, as Megatron
+logs them. All run after Megatron's `train_step`, whichever script drives training (an
+unmodified pretrain_gpt.py under `python -m megatron_ext.launch`, or examples/pretrain_gpt.py):
+`install` wraps `megatron.training.training.train_step`, which `train()` calls by its
+module-level name, and `evaluate`, which `evaluate_and_print_results` calls by name (the arena
+is attached before an evaluation that comes first, `--skip-train`; bounded dropless checks the
+evaluation's forwards after it). Those wraps are the only Megatron training internals touched
+here (checked by `check_hook_point`; megatron-core 0.19.2, see megatron_ext.rules).
 """
 
 from __future__ import annotations
@@ -89,11 +92,11 @@ def model_modules(model):
         yield from chunk.modules()
 
 
-def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: int = 1) -> None:
-    """The work due after training iteration `iteration`: metrics and replica checks at their
-    intervals; the bounded-dropless overflow check, or without metrics the report of dropped
-    routes, every `log_interval` iterations."""
-    at_log = iteration % max(log_interval, 1) == 0
+def after_train_step(model, iteration: int, config: MoEExtConfig, log_interval: int = 1, last: bool = False) -> None:
+    """The work due after training iteration `iteration` (counted from 1, as Megatron logs it):
+    metrics and replica checks at their intervals; the bounded-dropless overflow check, or without
+    metrics the report of dropped routes, every `log_interval` iterations and after the `last` one."""
+    at_log = iteration % max(log_interval, 1) == 0 or last
     if config.overflow_policy == "error" and at_log:
         check_overflows(model)
     if config.drops_routes and not config.metrics_interval and at_log:
@@ -212,31 +215,47 @@ def install(config: MoEExtConfig) -> bool:
             attach_arenas(bound["model"])
         result = current(*args, **kwargs)
         args = _megatron_args()
-        iteration = bound.get("iteration")
-        if iteration is None:
-            iteration = getattr(args, "curr_iteration", 0)
-        after_train_step(bound["model"], iteration, holder[0], getattr(args, "log_interval", 1) or 1)
+        done = bound.get("iteration")  # train() passes the iterations done before this one (0.19.2)
+        if done is None:
+            done = getattr(args, "curr_iteration", 0)
+        step = done + 1  # the number Megatron logs for this iteration
+        after_train_step(bound["model"], step, holder[0], getattr(args, "log_interval", 1) or 1,
+                         last=_ends_training(args, step))
         return result
 
     train_step._megatron_ext_config = holder
     training.train_step = train_step
-    _attach_arenas_before_evaluation(training, holder)
+    _wrap_evaluate(training, holder)
     return True
 
 
-def _attach_arenas_before_evaluation(training, holder: list) -> None:
+def _ends_training(args, step: int) -> bool:
+    """Whether Megatron stops after iteration `step`: its --train-iters, or an --exit-interval
+    multiple (a run stopped by --exit-duration-in-mins or a signal is not foreseen)."""
+    train_iters = getattr(args, "train_iters", None)
+    exit_interval = getattr(args, "exit_interval", None)
+    return bool(train_iters and step >= train_iters) or bool(exit_interval and step % exit_interval == 0)
+
+
+def _wrap_evaluate(training, holder: list) -> None:
     """An evaluation may run before any train_step (`--skip-train`, or evaluation first): the
-    arena must be attached there too (idempotent once attached). Re-wraps Megatron's own function
-    each time, so it shares the newest train_step wrap's config."""
+    arena must be attached there too (idempotent once attached). Under on_overflow "error" the
+    evaluation's forwards are checked after it (the guard counts them; the last evaluation comes
+    after the last train_step). Re-wraps Megatron's own function each time, so it shares the
+    newest train_step wrap's config."""
     current = getattr(training.evaluate, "__wrapped__", training.evaluate)
     signature = inspect.signature(current)
 
     @functools.wraps(current)
     def evaluate(*args, **kwargs):
+        model = signature.bind(*args, **kwargs).arguments["model"]
         if holder[0].dropless_arena:
             from megatron_ext.moe.arena import attach_arenas
 
-            attach_arenas(signature.bind(*args, **kwargs).arguments["model"])
-        return current(*args, **kwargs)
+            attach_arenas(model)
+        result = current(*args, **kwargs)
+        if holder[0].overflow_policy == "error":  # every rank evaluates: the check's collective matches
+            check_overflows(model)
+        return result
 
     training.evaluate = evaluate

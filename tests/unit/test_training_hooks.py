@@ -1,5 +1,7 @@
 """Per-iteration hooks inside megatron.training: metrics and replica checks act under any script."""
 
+from types import SimpleNamespace
+
 import torch
 
 from megatron_ext import training_hooks
@@ -92,10 +94,62 @@ def test_wrapped_train_step_runs_the_hooks_with_megatrons_arguments(monkeypatch)
 
     monkeypatch.setattr(training, "train_step", fake_train_step)
     monkeypatch.setattr(training_hooks, "after_train_step",
-                        lambda model, it, cfg, log_interval=1: calls.append((model, it)))
+                        lambda model, it, cfg, log_interval=1, last=False: calls.append((model, it, last)))
+    monkeypatch.setattr(training_hooks, "_megatron_args", lambda: SimpleNamespace(log_interval=5, train_iters=10))
     training_hooks.install(MoEExtConfig(metrics_interval=1))
     assert training.train_step(None, None, "MODEL", None, None, None, None, iteration=7) == "step result"
-    assert calls == [("MODEL", 7)]
+    training.train_step(None, None, "MODEL", None, None, None, None, iteration=9)
+    # train() (0.19.2) passes the iterations done before this one; Megatron logs this one as 8, then 10 (the last)
+    assert calls == [("MODEL", 8, False), ("MODEL", 10, True)]
+
+
+def test_megatrons_train_passes_the_iterations_done_and_counts_after_the_step():
+    """The hook numbers a step iteration + 1 because train() (0.19.2) calls train_step(...,
+    iteration=iteration) before `iteration += 1` and logs the incremented number; if that order
+    changes, the reports and checks fall one step off Megatron's log."""
+    import ast
+    import inspect
+    import textwrap
+
+    from megatron.training import training
+
+    train = getattr(training.train, "__wrapped__", training.train)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(train)))
+    step_line = min(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    and getattr(node.func, "id", None) == "train_step"
+                    and any(k.arg == "iteration" and getattr(k.value, "id", None) == "iteration" for k in node.keywords))
+    increments = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.AugAssign)
+                  and getattr(node.target, "id", None) == "iteration"]  # one more in the skipped-iteration branch
+    assert any(line > step_line for line in increments), (step_line, increments)
+
+
+def test_the_last_step_and_every_evaluation_check_for_overflow(monkeypatch):
+    """Bounded dropless: an overflow in the iterations after the last logging step, or in an
+    evaluation, is raised too (a review: 64 overflowed routes of step 9 of 10 went unchecked)."""
+    from megatron.training import training
+
+    checked = []
+
+    def fake_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                        forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+        return None
+
+    def fake_evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
+        checked.append("evaluated")
+
+    monkeypatch.setattr(training, "train_step", fake_train_step)
+    monkeypatch.setattr(training, "evaluate", fake_evaluate)
+    monkeypatch.setattr(training_hooks, "check_overflows", lambda model: checked.append(("check", model)))
+    monkeypatch.setattr(training_hooks, "_megatron_args", lambda: SimpleNamespace(log_interval=5, train_iters=12))
+    training_hooks.install(MoEExtConfig(on_overflow="error"))
+    for done in range(12):
+        training.train_step(None, None, "MODEL", None, None, None, None, iteration=done)
+    training.evaluate(None, None, "MODEL", None, None)
+    assert checked == [("check", "MODEL")] * 3 + ["evaluated", ("check", "MODEL")], checked  # 5, 10, 12, eval
+    checked.clear()
+    training_hooks.install(MoEExtConfig())  # on_overflow "auto" with capacity: drops reported, no check
+    training.evaluate(None, None, "MODEL", None, None)
+    assert checked == ["evaluated"]
 
 
 def test_overflow_is_checked_every_log_interval():
@@ -138,6 +192,7 @@ def test_wrapped_train_step_attaches_the_dropless_arena_first(monkeypatch):
     monkeypatch.setattr(training, "evaluate", fake_evaluate)
     monkeypatch.setattr(arena, "attach_arenas", lambda model: seen.append(("attach", model)))
     monkeypatch.setattr(training_hooks, "after_train_step", lambda *args, **kwargs: None)
+    monkeypatch.setattr(training_hooks, "check_overflows", lambda model: seen.append(("check", model)))
     assert training_hooks.install(MoEExtConfig(dropless_arena=True))
     training.train_step(None, None, ["CHUNK"], None, None, None, None, iteration=1)
     assert seen == [("attach", ["CHUNK"]), ("step", ["CHUNK"])]
@@ -145,7 +200,7 @@ def test_wrapped_train_step_attaches_the_dropless_arena_first(monkeypatch):
     # calls evaluate by its module-level name); the arena is attached there too
     seen.clear()
     training.evaluate(None, None, ["EVAL"], None, None)
-    assert seen == [("attach", ["EVAL"]), ("evaluate", ["EVAL"])]
+    assert seen == [("attach", ["EVAL"]), ("evaluate", ["EVAL"]), ("check", ["EVAL"])]  # the arena's overflows
     assert training.evaluate.__wrapped__ is fake_evaluate
 
 
