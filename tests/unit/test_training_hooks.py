@@ -115,9 +115,11 @@ def test_megatrons_train_passes_the_iterations_done_and_counts_after_the_step():
 
     train = getattr(training.train, "__wrapped__", training.train)
     tree = ast.parse(textwrap.dedent(inspect.getsource(train)))
+    def passes_iteration(call):
+        return any(k.arg == "iteration" and getattr(k.value, "id", None) == "iteration" for k in call.keywords)
+
     step_line = min(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-                    and getattr(node.func, "id", None) == "train_step"
-                    and any(k.arg == "iteration" and getattr(k.value, "id", None) == "iteration" for k in node.keywords))
+                    and getattr(node.func, "id", None) == "train_step" and passes_iteration(node))
     increments = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.AugAssign)
                   and getattr(node.target, "id", None) == "iteration"]  # one more in the skipped-iteration branch
     assert any(line > step_line for line in increments), (step_line, increments)
