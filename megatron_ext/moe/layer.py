@@ -21,7 +21,7 @@ from megatron_ext.moe import drop_notice
 from megatron_ext.moe.dispatcher import RowwiseTokenDispatcher
 from megatron_ext.moe.experts import DeviceOffsetGroupedMLP
 from megatron_ext.moe.fused_router import FusedTopKRouter
-from megatron_ext.moe.metric_sinks import MetricSinks, recomputing
+from megatron_ext.moe.metric_sinks import MetricSinks, in_megatron_graph_warmup, recomputing
 from megatron_ext.moe.overflow import OverflowGuard
 from megatron_ext.moe.route_map import unpack_metrics
 from megatron_ext.quiet import warn_once
@@ -81,6 +81,7 @@ class RowwiseMoELayer(MoELayer):
         self._metrics = None  # running route-metric sums, int64 [2E + 5] (_metric_sinks)
         self._first_routes = None  # this rank's routes in the first training forward
         self._sinks: dict[bool, MetricSinks] = {}  # _metric_sinks, per self.training
+        self._warm_up_sinks: dict[bool, MetricSinks] = {}  # scratch ones for Megatron's graph warm-up
         self._overflow = OverflowGuard() if ext_config.overflow_policy == "error" else None
         self._host_core = host_core() if ext_config.pin_host_threads else None
         self._graph_runner = None
@@ -104,7 +105,11 @@ class RowwiseMoELayer(MoELayer):
 
     def eager_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         counted = not recomputing()  # Megatron's full-layer recompute runs this forward again
-        self.token_dispatcher.metric_sinks = self._metric_sinks(hidden_states.device) if counted else None
+        sinks = self._metric_sinks(hidden_states.device) if counted else None
+        if sinks is not None and in_megatron_graph_warmup():  # not a training step (moe/metric_sinks.py)
+            counted, scratch = False, self._warm_up_sinks.get(self.training)
+            sinks = self._warm_up_sinks[self.training] = scratch or sinks.scratch()
+        self.token_dispatcher.metric_sinks = sinks
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if self._host_core is not None:
             pin_submitting_threads(output[0], self._host_core)

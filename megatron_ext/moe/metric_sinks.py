@@ -8,7 +8,9 @@ four small launches per layer step (the sums' adds, the per-rank demand and its 
 
 A forward run inside the backward is an activation recompute (Megatron's full-layer or `moe`
 recompute, reentrant or not): its routes were counted by the forward it repeats, so it adds
-nothing (`recomputing`).
+nothing (`recomputing`). The eager steps Megatron's own CUDA graphs run before their capture
+(`--cuda-graph-impl local`) are no training steps either: they add into scratch sinks of the same
+shapes (`in_megatron_graph_warmup`), so they compile and run the kernels the capture records.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ def recomputing() -> bool:
     `torch._C._current_graph_task_id`, -1 outside a backward; checked by
     tests/unit/test_metric_sinks.py, torch 2.11-2.13."""
     return torch._C._current_graph_task_id() != -1
+
+
+def in_megatron_graph_warmup() -> bool:
+    """True during the eager forward and backward steps Megatron's CudaGraphManager runs before it
+    captures a layer (megatron-core 0.19.2: `transformer.cuda_graphs.is_graph_warmup`, set around
+    the warm-up loop of `_CudaGraphRunner.create_fwd_graph`; checked by tests/unit/test_metric_sinks.py)."""
+    from megatron.core.transformer.cuda_graphs import is_graph_warmup
+
+    return is_graph_warmup()
 
 
 @dataclass(frozen=True)
@@ -53,3 +64,8 @@ class MetricSinks:
                                  f"{tuple(sums.shape)} on {sums.device}")
         if (self.overflow is None) != (self.peak_demand is None):
             raise ValueError("MetricSinks: the overflow sums and peak_demand go together (on_overflow='error')")
+
+    def scratch(self) -> "MetricSinks":
+        """Sinks of the same shapes whose sums nobody reads (a warm-up's)."""
+        fresh = {name: None if value is None else torch.zeros_like(value) for name, value in vars(self).items()}
+        return MetricSinks(**fresh)

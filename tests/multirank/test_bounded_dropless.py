@@ -133,3 +133,31 @@ def test_every_rank_stops_when_one_rank_overflowed():
     # Rank 1's layers did not overflow; it must stop too, or it would wait in its next collective.
     first, second = run_on_ranks(_agreement_rank, 2)
     assert first == "layer 3 overflowed" and second is not None and "another rank's MoE layer" in second
+
+
+def _megatron_graph_warm_up_rank(rank, world):
+    """Two steps inside Megatron's CUDA-graph warm-up (its flag set as create_fwd_graph sets it), then
+    the same step for real: only the real one is counted and checked."""
+    from megatron.core.transformer import cuda_graphs
+
+    layer = _layer(world, capacity_factor=0.5, on_overflow="error")
+    x, g = rank_tokens(rank, TOKENS, HIDDEN)
+    cuda_graphs._set_warmup_start()
+    try:
+        warm = [_step(layer, x, g) for _ in range(2)]
+    finally:
+        cuda_graphs._set_warmup_end()
+    layer.check_overflow()  # the warm-up's overflows are no training step's
+    counted_in_warm_up = layer.read_metrics(reset=False)
+    real = _step(layer, x, g)
+    with pytest.raises(CapacityExceeded, match="overflowed in the last 1 forward"):
+        layer.check_overflow()
+    same = all(torch.equal(a, b) for a, b in zip(warm[0][:2], real[:2]))  # same kernels, same results
+    return counted_in_warm_up, layer.read_metrics()["steps"], same
+
+
+def test_megatrons_graph_warm_up_steps_are_not_counted():
+    """--cuda-graph-impl local runs eager steps before its capture; a review found them counted as
+    training steps (a false CapacityExceeded from the warm-up's routes)."""
+    for counted_in_warm_up, steps, same in run_on_ranks(_megatron_graph_warm_up_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert counted_in_warm_up is None and steps == 1 and same

@@ -41,3 +41,22 @@ def test_a_checkpointed_forward_is_recomputing_only_when_it_repeats():
         # first forward, its recompute in the backward, then the probe's own backward
         assert _Probe.seen == [False, True, True], (reentrant, _Probe.seen)
         assert torch.equal(x.grad, torch.full((3,), 6.0))
+
+
+def test_megatrons_graph_warm_up_flag_is_where_the_layer_reads_it():
+    """in_megatron_graph_warmup reads megatron-core 0.19.2's flag, set around create_fwd_graph's
+    eager warm-up loop; if either moves, Megatron's warm-up steps would count as training steps."""
+    import inspect
+
+    from megatron.core.transformer import cuda_graphs
+
+    from megatron_ext.moe.metric_sinks import in_megatron_graph_warmup
+
+    source = inspect.getsource(cuda_graphs._CudaGraphRunner.create_fwd_graph)
+    assert source.index("_set_warmup_start()") < source.index("self.func(") < source.index("_set_warmup_end()")
+    assert not in_megatron_graph_warmup()
+    cuda_graphs._set_warmup_start()
+    try:
+        assert in_megatron_graph_warmup()
+    finally:
+        cuda_graphs._set_warmup_end()
