@@ -44,8 +44,11 @@ def how_to_drop_none(ext_config, spell=config_words) -> str:
     if ext_config.dropless_arena:
         return (f"To stop with an error instead: {spell('on_overflow', 'error')} (the arena's default). To drop none "
                 f"at any load: {spell('dropless', True)} in place of the arena (worst-case buffers)")
-    return (f"To drop none: {spell('dropless_arena', True)} (bounded; stops with an error if its budget is exceeded) "
-            f"or {spell('dropless', True)} (worst-case buffers), or raise {spell('capacity_factor')}")
+    arena = spell("dropless_arena", True)
+    if ext_config.on_overflow == "drop":  # the arena would keep this policy and drop beyond its budget
+        arena += f" with {spell('on_overflow', 'auto')}"
+    return (f"To drop none: {arena} (bounded; stops with an error if its budget is exceeded) or "
+            f"{spell('dropless', True)} (worst-case buffers). To drop fewer: raise {spell('capacity_factor')}")
 
 
 def mark_given() -> None:

@@ -311,6 +311,7 @@ def test_megatron_on_a_machine_without_a_gpu_is_a_usage_error(tmp_path):
     (["--expert-model-parallel-size", "2", "--moe-ext-dropless-arena", "--moe-ext-on-overflow", "drop"], True),
     (["--moe-ext-dropless-arena", "--moe-ext-on-overflow", "drop", "--moe-ext-metrics-interval", "10"], True),
     (["--expert-model-parallel-size", "2", "--moe-ext-dropless"], False),
+    (["--expert-model-parallel-size", "2", "--moe-ext-on-overflow", "drop"], True),  # drop said, not the default
     ([], False)])  # EP = 1: the capacity is the worst case
 def test_a_layer_that_may_drop_where_megatrons_would_not_says_so_at_start_up(hooked, capsys, flags, dropping):
     parse_with(hooked, [*MOE_MODEL, *flags])
@@ -322,8 +323,11 @@ def test_a_layer_that_may_drop_where_megatrons_would_not_says_so_at_start_up(hoo
     if "--moe-ext-dropless-arena" in flags:  # the advice is not the flag already given
         assert "their dropless arena holds" in out and "To stop with an error instead: --moe-ext-on-overflow error" \
             in out and "To drop none: --moe-ext-dropless-arena" not in out, out
-    else:
-        assert "per destination rank" in out and "To drop none: --moe-ext-dropless-arena" in out, out
+    else:  # the arena with an explicit drop policy would drop too: the advice names the policy to set
+        arena = "--moe-ext-dropless-arena with --moe-ext-on-overflow auto" if "drop" in flags else \
+            "--moe-ext-dropless-arena (bounded"
+        assert "per destination rank" in out and f"To drop none: {arena}" in out, out
+        assert "To drop fewer: raise --moe-ext-capacity-factor" in out, out
     reported = "every 10 steps (--moe-ext-metrics-interval)" if "--moe-ext-metrics-interval" in flags else \
         "reported at each --log-interval"
     assert reported in out, out
