@@ -21,10 +21,13 @@ the probabilities of tail rows so their gradient is defined (zero), as the kerne
 accepted: (cf - 1) / cf extra elementwise work on capacity buffers (none under Megatron's
 dispatchers, whose buffers have no tail).
 `bias_activation_fusion` picks Megatron's fused kernels, which its experts accept for SwiGLU and
-quick-GEGLU. They compute the same formula with one exception, followed here: the weighted
-quick-GEGLU kernel (`weighted_bias_quick_geglu_impl`, what SequentialMLP and TEGroupedMLP run
-with router probabilities) clamps fc1's output before it adds the bias, clamp(x) + b instead of
-clamp(x + b) (`clamps_before_bias`).
+quick-GEGLU. They compute the same formula with one exception: the weighted quick-GEGLU kernel
+(`weighted_bias_quick_geglu_impl`) clamps its input before it adds the bias it is given. Megatron's
+two expert classes then disagree when fc1 has a bias: SequentialMLP hands the kernel fc1's bias,
+so it computes clamp(x) + b, while TEGroupedMLP adds the bias in its grouped GEMM and hands the
+kernel none, so it computes clamp(x + b). The grouped experts follow the class Megatron's spec
+would build for the config (`megatron_builds_te_grouped_experts`): SequentialMLP's order
+(`clamps_before_bias`) unless it would build TEGroupedMLP.
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.kernels.swiglu import swiglu_valid_prefix
+
+
+def megatron_builds_te_grouped_experts(config) -> bool:
+    """Whether Megatron's GPT spec would build TEGroupedMLP for `config` rather than SequentialMLP:
+    --moe-grouped-gemm under --transformer-impl transformer_engine with Transformer Engine's grouped
+    linear layers installed (megatron-core 0.19.2: models/gpt/moe_module_specs.py, through
+    TESpecProvider.grouped_mlp_modules; the local provider always builds SequentialMLP)."""
+    if not (config.moe_grouped_gemm and config.transformer_impl == "transformer_engine"):
+        return False
+    from megatron.core.extensions.transformer_engine_spec_provider import TEColumnParallelGroupedLinear
+
+    return TEColumnParallelGroupedLinear is not None
 
 
 @dataclass(frozen=True)
@@ -51,10 +66,11 @@ class ExpertActivation:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         gated, clamp = bool(config.gated_linear_unit), config.activation_func_clamp_value
+        fused_quick_geglu = bool(config.bias_activation_fusion) and gated and config.activation_func is quick_gelu
         return ExpertActivation(func=config.activation_func, gated=gated, clamp=clamp,
                                 offset=float(config.glu_linear_offset),
-                                clamps_before_bias=bool(config.bias_activation_fusion) and gated and clamp is not None
-                                and config.activation_func is quick_gelu)
+                                clamps_before_bias=fused_quick_geglu and clamp is not None
+                                and not megatron_builds_te_grouped_experts(config))
 
     def clamped(self, x: torch.Tensor) -> torch.Tensor:
         """fc1's output with the gated clamp applied (gate: at most c; up: within [-c, c])."""

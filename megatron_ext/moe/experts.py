@@ -114,6 +114,10 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
             warn_once(logger, f"megatron_ext: gradient_accumulation_fusion is on, but the grouped experts' weight "
                       f"gradients reach main_grad through DDP's add, rounded once to the parameters' dtype per "
                       f"microbatch ({why})")
+        if getattr(config, "use_te_activation_func", False):
+            warn_once(logger, "megatron_ext: use_te_activation_func is ignored by the grouped experts: they apply "
+                      "activation_func (with its clamp and linear offset) as Megatron's SequentialMLP does, where "
+                      "Transformer Engine's activation modules differ (tanh GELU, no clamp or offset)")
         self._init_weights(pg_collection)
         self._register_load_state_dict_pre_hook(load_sequential_mlp_layout, with_module=True)
 
@@ -242,7 +246,7 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         activation = self.activation
         if fc1_bias is not None:  # add_bias_linear: fc1 and fc2 biases come together
             experts = row_experts(offsets, rows)
-            if activation.clamps_before_bias and probs is not None:  # Megatron's fused kernel: clamp(x) + b
+            if activation.clamps_before_bias:  # SequentialMLP's fused kernel (probabilities or ones): clamp(x) + b
                 h, activation = activation.clamped(h), dataclasses.replace(activation, clamp=None)
             h = h + row_bias(fc1_bias, offsets, experts)
         out = self._fc2(activation, (h, valid_rows, probs), fc2, offsets)
