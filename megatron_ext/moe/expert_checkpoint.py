@@ -3,8 +3,10 @@
 dist_checkpointing: the stacked parameters are saved under SequentialMLP's global keys,
 `{prefix}experts.linear_fc{1,2}.{weight,bias}` of global shape [E, ...] with this rank holding
 experts [ep_rank*L, (ep_rank+1)*L), plus the (empty) per-expert extra states SequentialMLP's
-linears write, so either module loads the other's checkpoint. Plain torch state dicts of a
-SequentialMLP (`local_experts.i.linear_fc{1,2}.{weight,bias}`) are stacked on load.
+linears write, so either module loads the other's checkpoint (TEGroupedMLP writes the same keys).
+Plain torch state dicts of a SequentialMLP (`local_experts.i.linear_fc{1,2}.{weight,bias}`) are
+stacked on load; TEGroupedMLP's (`linear_fc1.weight0`, ..., in Transformer Engine's layout) are
+refused with what to do instead.
 Written against megatron-core 0.19.2.
 """
 
@@ -68,6 +70,7 @@ def sharded_state_dict(module, prefix: str = "", sharded_offsets=()):
 
 _SEQUENTIAL_KEY = re.compile(
     r"^local_experts\.(?P<idx>\d+)\.linear_fc(?P<fc>[12])\.(?P<kind>weight|bias|_extra_state)$")
+_TE_GROUPED_KEY = re.compile(r"^linear_fc[12]\.(weight|bias|_extra_state)\d*$")  # TE's GroupedLinear
 
 
 def load_sequential_mlp_layout(module, state_dict, prefix, *args, **kwargs):
@@ -75,6 +78,12 @@ def load_sequential_mlp_layout(module, state_dict, prefix, *args, **kwargs):
     stacking its local_experts.i tensors, and biases stacked [L, rows] (SequentialMLP's, a
     distributed checkpoint's, this module's before its biases were stored flat) as the flat ones."""
     found: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    te_keys = [k for k in state_dict if k.startswith(prefix) and _TE_GROUPED_KEY.match(k[len(prefix):])]
+    if te_keys:
+        raise ValueError(f"{te_keys[0]} ...: a plain torch state dict of Megatron's TEGroupedMLP (Transformer "
+                         f"Engine's grouped linears) is not converted by the grouped experts; save a distributed "
+                         f"checkpoint (--ckpt-format torch_dist), which both load, or load it into SequentialMLP "
+                         f"first")
     for key in [k for k in state_dict if k.startswith(prefix)]:
         match = _SEQUENTIAL_KEY.match(key[len(prefix):])
         if match and match["kind"] == "_extra_state":

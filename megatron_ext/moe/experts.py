@@ -21,8 +21,8 @@ Weights use Megatron's per-expert nn.Linear layout, stacked: fc1 [L, gF, H] (gat
 then up rows, g = 2), fc2 [L, H, F]. Biases are stored flat, [L * gF] and [L * H], and used as
 [L, gF] / [L, H] views (`stacked_biases`): Megatron's optimizer picks biases by one dimension (no
 weight decay; Adam under Muon; no MuP matrix scaling), which a stacked 2-D bias would miss. The
-GEMMs take transposed views (free), and checkpoints interchange with SequentialMLP /
-TEGroupedMLP (moe/expert_checkpoint.py).
+GEMMs take transposed views (free), and distributed checkpoints interchange with SequentialMLP /
+TEGroupedMLP, plain torch state dicts with SequentialMLP's (moe/expert_checkpoint.py).
 Written against megatron-core 0.19.2.
 """
 

@@ -254,6 +254,12 @@ def _plain_state_dict_rank(rank, world):
         earlier = DeviceOffsetGroupedMLP(2, config)
         earlier.load_state_dict(stacked)
         assert torch.equal(earlier(x, counts, probs)[0], grouped(x, counts, probs)[0]), f"{name} [L, rows] biases"
+    # TEGroupedMLP's torch-format keys (TE's GroupedLinear: weight0, bias0, ...): refused, saying what to do
+    te_style = {f"linear_fc{fc}.{kind}{i}": torch.zeros(1)
+                for fc in (1, 2) for kind in ("weight", "bias") for i in (0, 1)}
+    with pytest.raises(ValueError, match=r"linear_fc1.weight0 \.\.\.: a plain torch state dict of Megatron's "
+                                         r"TEGroupedMLP .* save a distributed checkpoint"):
+        DeviceOffsetGroupedMLP(2, config).load_state_dict(te_style)
 
 
 def test_loads_plain_sequential_mlp_state_dicts_with_biases():
