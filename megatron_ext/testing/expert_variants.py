@@ -46,9 +46,9 @@ def variants() -> dict[str, dict]:
                                           glu_linear_offset=1.0, add_bias_linear=True, bias_activation_fusion=True),
         "probs_on_input": dict(plain, activation_func=F.gelu, add_bias_linear=True, moe_apply_probs_on_input=True),
         # SequentialMLP runs the fused kernel with probabilities of one: still clamp(x) + b
-        "probs_on_input_quick_geglu_fused": dict(activation_func=quick_gelu, activation_func_clamp_value=0.5,
-                                                 glu_linear_offset=1.0, add_bias_linear=True,
-                                                 bias_activation_fusion=True, moe_apply_probs_on_input=True),
+        "probs_on_input_quick_geglu_clamped_fused": dict(
+            activation_func=quick_gelu, activation_func_clamp_value=0.5, glu_linear_offset=1.0, add_bias_linear=True,
+            bias_activation_fusion=True, moe_apply_probs_on_input=True),
     }
 
 
