@@ -103,12 +103,13 @@ def grouped_or_megatron_experts(num_local_experts, config, pg_collection=None, n
     return megatron_experts(num_local_experts, config, pg_collection=pg_collection, name=name)
 
 
-def swap_moe_parts(spec, ext_config: MoEExtConfig | None = None):
+def swap_moe_parts(spec, ext_config: MoEExtConfig | None = None, require_moe: bool = True):
     """Return a copy of any layer/block spec tree with every MoE MLP slot replaced.
 
     Walks ModuleSpecs, dataclass submodules (TransformerLayerSubmodules,
-    TransformerBlockSubmodules) and lists of layer specs. Raises if no MoE slot was found,
-    so a spec that silently stays dense does not go unnoticed.
+    TransformerBlockSubmodules) and lists of layer specs. With `require_moe`, raises if no MoE
+    slot was found, so a spec that silently stays dense does not go unnoticed; a pipeline stage
+    of a MoE model may hold dense layers only (dense first layers), so block specs pass False.
     """
     found = []
 
@@ -131,7 +132,7 @@ def swap_moe_parts(spec, ext_config: MoEExtConfig | None = None):
         return node
 
     swapped = visit(spec)
-    if not found:
+    if not found and require_moe:
         raise ValueError("swap_moe_parts found no MoE layer in the spec; build it with num_experts set "
                          "(e.g. get_gpt_layer_local_spec(num_experts=...))")
     return swapped
@@ -188,4 +189,6 @@ def gpt_block_spec(config, use_transformer_engine: bool | None = None, ext_confi
     kwargs.setdefault("normalization", config.normalization)
     kwargs.setdefault("qk_l2_norm", config.qk_l2_norm)
     base = get_gpt_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage, pp_rank=pp_rank, **kwargs)
-    return swap_moe_parts(base, ext_config)
+    # A stage of a MoE model may hold only dense layers (e.g. --moe-layer-freq [0]*1+[1]*3 with the
+    # first layer alone on pipeline stage 0): Megatron's dense layers there, as Megatron builds them
+    return swap_moe_parts(base, ext_config, require_moe=config.num_moe_experts is None)
