@@ -142,30 +142,48 @@ class DeviceOffsetGroupedMLP(torch.nn.Module):
         return settings
 
     def _init_weights(self, pg_collection) -> None:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
-
+        """As Megatron's SequentialMLP draws them (megatron-core 0.19.2, tensor_parallel/layers.py): expert
+        by expert, fc1 then fc2; with use_cpu_initialization an fp32 master weight from the global torch
+        RNG, cast to the parameters' dtype (`_initialize_affine_weight_cpu`), else in place under the
+        expert-parallel RNG tracker (`_initialize_affine_weight_gpu`). The same seed gives the same
+        weights and leaves the RNG streams where Megatron's experts leave them, so the model's later
+        parameters match too. Biases start at zero (no draw)."""
         # Megatron marks expert params allreduce=False when they are sharded over EP (or ETP
         # differs from TP) so its DDP puts them in the expert buffers, reduced over expert-DP.
         sharded = self.ep_group.size() > 1 or (self.config.expert_tensor_parallel_size or 1) != (
             self.config.tensor_model_parallel_size)
-        zero = torch.nn.init.zeros_  # Megatron always initializes linear biases to zero
-        for weight, init in ((self.fc1_weight, self.config.init_method), (self.fc1_bias, zero),
-                             (self.fc2_weight, self.config.output_layer_init_method), (self.fc2_bias, zero)):
-            if weight is None:
-                continue
-            weight.allreduce = not sharded
-            weight.tensor_model_parallel = False
-            weight.partition_dim = -1
-            weight.partition_stride = 1
-            if not self.config.perform_initialization:
-                continue
-            tracker = get_cuda_rng_tracker()
-            name = get_expert_parallel_rng_tracker_name()
-            forked = tracker.is_initialized() and name in tracker.get_states()
-            context = tracker.fork(name) if forked else contextlib.nullcontext()
-            with context:
-                for expert_weight in stacked(weight.data, self.num_local_experts):
-                    init(expert_weight)
+        for param in (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias):
+            if param is not None:
+                param.allreduce = not sharded
+                param.tensor_model_parallel = False
+                param.partition_dim = -1
+                param.partition_stride = 1
+        if not self.config.perform_initialization:
+            return
+        for bias in (self.fc1_bias, self.fc2_bias):
+            if bias is not None:
+                torch.nn.init.zeros_(bias.data)
+        weights = ((self.fc1_weight, self.config.init_method), (self.fc2_weight, self.config.output_layer_init_method))
+        with self._expert_rng():
+            for expert in range(self.num_local_experts):
+                for weight, init in weights:
+                    if self.config.use_cpu_initialization:
+                        master = torch.empty(weight.shape[1:], dtype=torch.float32)
+                        init(master)
+                        weight.data[expert].copy_(master)
+                    else:
+                        init(weight.data[expert])
+
+    def _expert_rng(self):
+        """GPU initialization draws under the expert-parallel RNG tracker (each EP rank its own experts);
+        CPU initialization from the global RNG, as Megatron's does."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        if self.config.use_cpu_initialization:
+            return contextlib.nullcontext()
+        tracker, name = get_cuda_rng_tracker(), get_expert_parallel_rng_tracker_name()
+        forked = tracker.is_initialized() and name in tracker.get_states()
+        return tracker.fork(name) if forked else contextlib.nullcontext()
 
     def stacked_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The fc1 and fc2 biases as [L, gF] and [L, H] views of their flat parameters (None without biases)."""
