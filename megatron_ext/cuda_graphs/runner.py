@@ -166,34 +166,28 @@ class GraphedMoELayer:
         return _ReplaySlot.apply(hidden, self, slot, *self.params), None
 
     def _drop_for_moved_main_grads(self) -> None:
-        """DDP's gradient buffers were re-created since capture: the graphs would write freed memory.
-        With one rank, capture again. At EP > 1 a rank cannot tell whether its peers' buffers moved
-        too (they capture together, or a rank warming up would wait on peers replaying), so the
-        caller drops every rank's graphs at the same point."""
-        problem = ("the main_grad of parameters whose weight gradients the MoE layer's CUDA graphs add to "
-                   "main_grad moved since capture (DDP's gradient buffers were re-created, e.g. by "
-                   "offload_grad_buffers / restore_grad_buffers)")
-        if any(slot.busy for slot in self.slots):
-            raise RuntimeError(f"{problem} while microbatches are live in the graphs; re-create the buffers "
-                               f"between iterations")
-        if ep_group_of(self.layer) is not None:
-            raise RuntimeError(f"{problem}; at EP > 1 call megatron_ext.cuda_graphs.release_cuda_graphs(model) on "
-                               f"every rank after re-creating them, so that all ranks capture again together")
-        logger.info("megatron_ext: %s; capturing again", problem)
-        self.reset()
+        """DDP's gradient buffers were re-created since capture: the graphs would write freed memory."""
+        self._drop_graphs("the main_grad of parameters whose weight gradients the MoE layer's CUDA graphs add to "
+                          "main_grad moved since capture (DDP's gradient buffers were re-created, e.g. by "
+                          "offload_grad_buffers / restore_grad_buffers)", "re-create the buffers", "re-creating them")
 
     def _drop_for_changed_trainable_params(self) -> None:
         """A parameter of the layer was frozen or unfrozen since capture (e.g. --freeze-all-layers after
         the model was built, staged unfreezing): the captured backward differentiates the old set, so
-        a newly trainable parameter would get no gradient. Capture again, as for moved main_grads."""
-        problem = ("parameters of the MoE layer were frozen or unfrozen since its CUDA graphs were captured (the "
-                   "captured backward gives gradients to the parameters trainable at capture)")
+        a newly trainable parameter would get no gradient."""
+        self._drop_graphs("parameters of the MoE layer were frozen or unfrozen since its CUDA graphs were captured "
+                          "(the captured backward gives gradients to the parameters trainable at capture)",
+                          "change requires_grad", "changing them")
+
+    def _drop_graphs(self, problem: str, change: str, after_changing: str) -> None:
+        """The graphs no longer fit the layer (`problem`). With one rank, capture again. At EP > 1 a rank
+        cannot tell whether its peers saw the same change (they capture together, or a rank warming up
+        would wait on peers replaying), so the caller drops every rank's graphs at the same point."""
         if any(slot.busy for slot in self.slots):
-            raise RuntimeError(f"{problem} while microbatches are live in the graphs; change requires_grad "
-                               f"between iterations")
+            raise RuntimeError(f"{problem} while microbatches are live in the graphs; {change} between iterations")
         if ep_group_of(self.layer) is not None:
             raise RuntimeError(f"{problem}; at EP > 1 call megatron_ext.cuda_graphs.release_cuda_graphs(model) on "
-                               f"every rank after changing them, so that all ranks capture again together")
+                               f"every rank after {after_changing}, so that all ranks capture again together")
         logger.info("megatron_ext: %s; capturing again", problem)
         self.reset()
 
