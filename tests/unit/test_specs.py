@@ -1,5 +1,5 @@
 """Block specs per pipeline stage: megatron_ext's MoE layers where Megatron puts its own, Megatron's dense
-layers elsewhere, including stages that hold dense layers only."""
+layers elsewhere, including stages that hold dense layers only or no layer at all."""
 
 import pytest
 import torch
@@ -55,3 +55,17 @@ def test_a_dense_model_is_still_refused():
     dense = _config(num_moe_experts=None, moe_ffn_hidden_size=None)
     with pytest.raises(ValueError, match="found no MoE layer in the spec"):
         gpt_block_spec(dense, ext_config=MoEExtConfig(transport="torch"), pp_rank=0)
+
+
+def _layout_rank(rank, world):
+    config = _config(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*4|L")
+    megatrons = get_gpt_decoder_block_spec(config, False, normalization=config.normalization)
+    ours = gpt_block_spec(config, ext_config=MoEExtConfig(transport="torch"))
+    return len(megatrons.layer_specs), _kinds(ours)
+
+
+def test_a_pipeline_layout_with_a_stage_of_no_layers_builds():
+    """--pipeline-model-parallel-layout 'Et*4|L': the last stage holds the loss only (no layer)."""
+    from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+    assert run_on_ranks(_layout_rank, 2, sizes=ParallelSizes(pp=2)) == [(4, ["moe"] * 4), (0, [])]
