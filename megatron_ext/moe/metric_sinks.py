@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.cuda_graphs import is_graph_warmup
 
 
 def recomputing() -> bool:
@@ -31,9 +32,8 @@ def recomputing() -> bool:
 def in_megatron_graph_warmup() -> bool:
     """True during the eager forward and backward steps Megatron's CudaGraphManager runs before it
     captures a layer (megatron-core 0.19.2: `transformer.cuda_graphs.is_graph_warmup`, set around
-    the warm-up loop of `_CudaGraphRunner.create_fwd_graph`; checked by tests/unit/test_metric_sinks.py)."""
-    from megatron.core.transformer.cuda_graphs import is_graph_warmup
-
+    the warm-up loop of `_CudaGraphRunner.create_fwd_graph`; checked by tests/unit/test_metric_sinks.py).
+    Imported once, not per forward: every training forward asks."""
     return is_graph_warmup()
 
 
