@@ -94,6 +94,9 @@ def training_loop_conflicts(args) -> list[str]:
     return replica_check_conflicts(args) + ddp_bucket_conflicts(args)
 
 
+FSDP_FLAGS = (("--use-megatron-fsdp", "use_megatron_fsdp"), ("--use-torch-fsdp2", "use_torch_fsdp2"))
+
+
 def ddp_bucket_conflicts(args) -> list[str]:
     """--moe-ext-ddp-buckets reorders and checks the buckets of Megatron's DistributedDataParallel;
     FSDP wrappers have none, and a partial distributed optimizer needs groups it does not build."""
@@ -108,9 +111,6 @@ def ddp_bucket_conflicts(args) -> list[str]:
                         f"distributed optimizer needs intra- and inter-instance groups the folding DDP does not "
                         f"build; use 1 instance or drop --moe-ext-ddp-buckets")
     return problems
-
-
-FSDP_FLAGS = (("--use-megatron-fsdp", "use_megatron_fsdp"), ("--use-torch-fsdp2", "use_torch_fsdp2"))
 
 
 def replica_check_conflicts(args) -> list[str]:
