@@ -19,7 +19,7 @@ def test_cpu_case_matches_its_golden_values(tmp_path):
     # The same run against perturbed golden values must fail (the comparison can fail).
     with open(os.path.join(str(tmp_path), "values_1st.json")) as handle:
         actual = json.load(handle)
-    golden = FunctionalCase.load(CASE).load_golden()
+    golden = FunctionalCase.load(CASE).load_golden("cpu")
     perturbed = {"lm loss": compare.to_golden_format(
         {step: value * 1.06 for step, value in compare.values_by_step(golden["lm loss"]).items()})}
     results = compare.compare_metrics(perturbed, actual, ["lm loss"], allow_nondeterministic=False)

@@ -293,25 +293,62 @@ def test_every_case_loads_with_known_metrics():
 
 def test_cpu_case_has_golden_values_in_megatrons_format():
     case = case_config.FunctionalCase.load("gpt/tiny_moe_rowwise_cpu_ep2")
-    values = case.load_golden()
+    values = case.load_golden("cpu")
     entry = values["lm loss"]
     assert (entry["start_step"], entry["end_step"], entry["step_interval"]) == (1, 10, 1)
     assert list(entry["values"]) == [str(s) for s in range(1, 11)]
     assert "iteration-time" not in case.config["METRICS"], "iteration time is not compared on CPU"
 
 
-def test_h200_golden_values_cover_every_step_of_the_single_gpu_cases():
-    regular = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu").load_golden()
-    assert set(regular) == {"lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes"}
-    loss = compare.values_by_step(regular["lm loss"])
-    assert sorted(loss) == list(range(1, 51)) and all(math.isfinite(v) for v in loss.values())
-    assert loss[50] < 0.1 * loss[1], "the golden run's loss must fall"
+GPU_CASES = ("gpt/moe_rowwise_1gpu", "gpt/moe_rowwise_1gpu_layer_graphs", "gpt/moe_rowwise_1gpu_ckpt_resume")
+
+
+def _committed_platforms(case):
+    return [p for p in case.platforms if case.load_golden(p) is not None]
+
+
+def test_gpu_golden_values_cover_every_step_of_the_single_gpu_cases():
+    regular_case = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu")
+    platforms = _committed_platforms(regular_case)
+    assert platforms, "the single-GPU case has golden values for none of its platforms"
+    for platform in platforms:
+        regular = regular_case.load_golden(platform)
+        assert set(regular) == {"lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes",
+                                "mem-max-allocated-bytes"}
+        loss = compare.values_by_step(regular["lm loss"])
+        assert sorted(loss) == list(range(1, 51)) and all(math.isfinite(v) for v in loss.values())
+        assert loss[50] < 0.1 * loss[1], "the golden run's loss must fall"
     resume = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu_ckpt_resume")
-    first, second = resume.load_golden(), resume.load_golden(second_run=True)
-    assert sorted(compare.values_by_step(first["lm loss"])) == list(range(1, 51))
-    assert sorted(compare.values_by_step(second["lm loss"])) == list(range(26, 51))
-    # the resumed run's golden values reproduce run 1's from step 26 (restart average at 27)
-    assert not failed(compare.compare_resumed(first, second, 26, ["lm loss", "num-zeros"], False))
+    for platform in _committed_platforms(resume):
+        first, second = resume.load_golden(platform), resume.load_golden(platform, second_run=True)
+        assert sorted(compare.values_by_step(first["lm loss"])) == list(range(1, 51))
+        assert sorted(compare.values_by_step(second["lm loss"])) == list(range(26, 51))
+        # the resumed run's golden values reproduce run 1's from step 26 (restart average at 27)
+        assert not failed(compare.compare_resumed(first, second, 26, ["lm loss", "num-zeros"], False))
+
+
+def test_the_single_gpu_cases_golden_losses_agree_bitwise_on_each_platform():
+    """Same model, data and seed: eager, whole-layer graphs and the ckpt-resume case's run 1 must
+    have the same lm loss and num-zeros on every step (the exact checks rely on it)."""
+    cases = [case_config.FunctionalCase.load(name) for name in GPU_CASES]
+    for platform in cases[0].platforms:
+        values = [case.load_golden(platform) for case in cases]
+        present = [v for v in values if v is not None]
+        for other in present[1:]:
+            for metric in ("lm loss", "num-zeros"):
+                assert other[metric] == present[0][metric], (platform, metric)
+
+
+def test_a_run_uses_the_golden_values_of_the_visible_gpu():
+    case = case_config.FunctionalCase.load("gpt/moe_rowwise_1gpu")
+    assert case.platforms == ["h200", "h100"]
+    assert case.platform_for("NVIDIA H100 80GB HBM3") == "h100"
+    assert case.platform_for("NVIDIA H200") == "h200"
+    assert case.platform_for("NVIDIA A100-SXM4-80GB") == "h200"  # none listed: the first
+    assert case.platform_for(None) == "h200"
+    assert case_config.FunctionalCase.load("gpt/moe_rowwise_ep8_folding").platform_for("NVIDIA H200") == "h200x8"
+    assert case_config.FunctionalCase.load("gpt/tiny_moe_rowwise_cpu_ep2").platform_for("NVIDIA H100") == "cpu"
+    assert case.golden_path("h100").endswith("moe_rowwise_1gpu/golden_values_dev_h100.json")
 
 
 def test_runner_says_no_golden_values_yet_instead_of_passing(monkeypatch, tmp_path):
@@ -325,6 +362,7 @@ def test_runner_says_no_golden_values_yet_instead_of_passing(monkeypatch, tmp_pa
             f"MODEL_ARGS:\n  --log-interval: 1\n")
     monkeypatch.setattr(case_config, "TEST_CASES_DIR", str(cases))
     monkeypatch.setattr(case_run, "visible_gpus", lambda: 8)
+    monkeypatch.setattr(case_run, "gpu_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(case_run, "run_training", lambda *a, **k: pytest.fail("no training may start"))
     for name in ("gpt/regular", "gpt/resume"):
         outcome = case_run.run_case(name, str(tmp_path / "out"))
@@ -335,6 +373,16 @@ def test_runner_says_no_golden_values_yet_instead_of_passing(monkeypatch, tmp_pa
     (cases / "gpt" / "resume" / "golden_values_dev_h200.json").write_text("{}")
     outcome = case_run.run_case("gpt/resume", str(tmp_path / "out"))
     assert outcome.code == case_run.NO_GOLDEN and "golden_values_dev_h200_2nd.json" in outcome.summary
+    # a case listing several GPU platforms looks for the visible GPU's golden values
+    listed = cases / "gpt" / "listed"
+    listed.mkdir()
+    (listed / "model_config.yaml").write_text((cases / "gpt" / "regular" / "model_config.yaml").read_text()
+                                              + "PLATFORM: [h200, h100]\n")
+    (listed / "golden_values_dev_h200.json").write_text("{}")
+    monkeypatch.setattr(case_run, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    outcome = case_run.run_case("gpt/listed", str(tmp_path / "out"))
+    assert outcome.code == case_run.NO_GOLDEN and "golden_values_dev_h100.json" in outcome.summary
+    assert "on h100" in outcome.summary
 
 def test_gpu_cases_skip_without_gpus(monkeypatch):
     monkeypatch.setattr(case_run, "visible_gpus", lambda: 0)

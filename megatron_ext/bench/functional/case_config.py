@@ -11,7 +11,9 @@ Keys (Megatron-LM's layout, plus the launch keys this repo needs):
   SCRIPT:     training script, relative to the repository root
   LAUNCHER:   python (python SCRIPT ...) | torchrun (torchrun --standalone --nproc-per-node
               NPROC_PER_NODE -m megatron_ext.launch SCRIPT ...)
-  NPROC_PER_NODE, PLATFORM (golden file: golden_values_<ENVIRONMENT>_<PLATFORM>[_2nd].json),
+  NPROC_PER_NODE, PLATFORM (golden file: golden_values_<ENVIRONMENT>_<PLATFORM>[_2nd].json; a
+              list of GPU platforms, e.g. [h200, h100], keeps one set per GPU model and a run
+              uses the one naming the visible GPU, see `FunctionalCase.platform_for`),
   ENVIRONMENT (default dev), NEEDS_GPUS (skip message when fewer are visible), TIMEOUT_S,
   STEADY_WINDOW ([first, last] step for time/memory medians), RESUME_ARGS (ckpt-resume: flags
   added to the second run), RESUME_STEP (its first logged step minus one).
@@ -139,16 +141,27 @@ class FunctionalCase:
         return str(self.env_vars.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")) == "1"
 
     @property
-    def platform(self) -> str:
-        return self.config.get("PLATFORM", "h200")
+    def platforms(self) -> list[str]:
+        value = self.config.get("PLATFORM", "h200")
+        return [str(p) for p in value] if isinstance(value, list) else [str(value)]
 
-    def golden_path(self, second_run: bool = False) -> str:
+    def platform_for(self, device_name: str | None) -> str:
+        """The platform whose golden values a run on `device_name` (GPU 0's name, None without a GPU)
+        uses: the first listed platform whose GPU model ("h100" of "h100x8") is in the name, else the
+        first listed. Step time and memory differ between GPU models, so each keeps its own values."""
+        name = (device_name or "").lower().replace(" ", "")
+        for platform in self.platforms:
+            if platform.split("x")[0] in name:
+                return platform
+        return self.platforms[0]
+
+    def golden_path(self, platform: str, second_run: bool = False) -> str:
         environment = self.config.get("ENVIRONMENT", "dev")
         suffix = "_2nd" if second_run else ""
-        return os.path.join(self.path, f"golden_values_{environment}_{self.platform}{suffix}.json")
+        return os.path.join(self.path, f"golden_values_{environment}_{platform}{suffix}.json")
 
-    def load_golden(self, second_run: bool = False) -> dict | None:
-        path = self.golden_path(second_run)
+    def load_golden(self, platform: str, second_run: bool = False) -> dict | None:
+        path = self.golden_path(platform, second_run)
         if not os.path.isfile(path):
             return None
         with open(path) as handle:

@@ -1,7 +1,8 @@
 """One functional test case run end to end: train, extract the metrics from the log, compare with
 the golden values, and the verdict as an exit code (tests/functional_tests/runner.py is its CLI).
 
-TEST_TYPE regular: one run, compared with golden_values_<env>_<platform>.json.
+TEST_TYPE regular: one run, compared with golden_values_<env>_<platform>.json, where <platform> is the
+case's PLATFORM entry naming the visible GPU (`FunctionalCase.platform_for`).
 TEST_TYPE ckpt-resume: run 1 trains all steps and saves a checkpoint at RESUME_STEP; run 2 adds
 RESUME_ARGS (load that checkpoint) and trains to the end. Run 1 is compared with the golden
 values, run 2 with the "_2nd" golden values and with run 1 on the resumed steps.
@@ -54,6 +55,16 @@ def visible_gpus() -> int:
         return 0
 
 
+def gpu_name() -> str | None:
+    """GPU 0's name as torch reports it ("NVIDIA H100 80GB HBM3"), None without one."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
 def _write_json(path: str, values: dict) -> None:
     with open(path, "w") as handle:
         json.dump(values, handle, indent=2)
@@ -67,12 +78,13 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
     needed = int(case.config.get("NEEDS_GPUS", 0))
     if needed and visible_gpus() < needed:
         return CaseOutcome(SKIPPED, f"SKIPPED {case.name}: needs {needed} GPU(s), {visible_gpus()} visible")
-    golden = case.load_golden()
-    golden_2nd = case.load_golden(second_run=True) if case.config["TEST_TYPE"] == "ckpt-resume" else {}
+    platform = case.platform_for(gpu_name())
+    golden = case.load_golden(platform)
+    golden_2nd = case.load_golden(platform, second_run=True) if case.config["TEST_TYPE"] == "ckpt-resume" else {}
     if not generate and (golden is None or golden_2nd is None):
-        missing = case.golden_path(second_run=golden is not None)
-        return CaseOutcome(NO_GOLDEN, f"NO GOLDEN VALUES YET for {case.name} on {case.platform} ({missing} is "
-                                      f"missing): this is not a pass. Generate them on {case.platform} with:\n  "
+        missing = case.golden_path(platform, second_run=golden is not None)
+        return CaseOutcome(NO_GOLDEN, f"NO GOLDEN VALUES YET for {case.name} on {platform} ({missing} is "
+                                      f"missing): this is not a pass. Generate them on {platform} with:\n  "
                                       f"{generate_command(case)}")
     output_dir = output_dir or tempfile.mkdtemp(prefix=f"functional_{case.name.replace('/', '_')}_")
     os.makedirs(output_dir, exist_ok=True)
@@ -102,11 +114,11 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
         results += [CheckResult(r.metric, f"resume vs run 1, {r.test}", r.passed, r.message) for r in compare_resumed(
             actual, actual_2nd, first_resumed, resumed_metrics, case.allow_nondeterministic)]
     if generate:
-        _write_json(case.golden_path(), actual)
-        written = [case.golden_path()]
+        written = [case.golden_path(platform)]
+        _write_json(written[0], actual)
         if actual_2nd is not None:
-            _write_json(case.golden_path(second_run=True), actual_2nd)
-            written.append(case.golden_path(second_run=True))
+            written.append(case.golden_path(platform, second_run=True))
+            _write_json(written[1], actual_2nd)
         failed = [r for r in results if not r.passed]
         return CaseOutcome(FAILED if failed else PASSED,
                            f"GOLDEN VALUES WRITTEN for {case.name}: {', '.join(written)}"
@@ -119,5 +131,5 @@ def run_case(name: str, output_dir: str | None = None, generate: bool = False,
     failed = [r for r in results if not r.passed]
     mode = "exact checks skipped (nondeterminism allowed)" if case.allow_nondeterministic else "exact checks on"
     verdict = f"FAILED {len(failed)} of {len(results)} checks" if failed else f"PASSED all {len(results)} checks"
-    return CaseOutcome(FAILED if failed else PASSED, f"{verdict} for {case.name} on {case.platform} ({mode}); "
+    return CaseOutcome(FAILED if failed else PASSED, f"{verdict} for {case.name} on {platform} ({mode}); "
                                                      f"outputs in {output_dir}", results, output_dir)
