@@ -173,8 +173,8 @@ def validate_against_megatron(args) -> None:
     """Raise MoEExtArgumentError listing every wrong combination (each naming both flags).
 
     Dense models (no --num-experts) are checked only for --moe-ext-* values and combinations.
-    Runtime conditions (GPU present, one NVLink domain, DeepEP importable) are checked when
-    the layers are built.
+    Runtime conditions (GPU present, one NVLink domain, DeepEP importable) are checked at each
+    layer's first forward, when it builds its transport.
     """
     if not hasattr(args, FLAGS[0].dest):
         ext_config_from_args(args)  # raises: the group was never added
