@@ -12,9 +12,11 @@ arguments, the script's folder first on `sys.path` as `python script.py` would h
    `parse_args` up in its module at call time, so it is covered too. The wrapper also escapes a
    stray '%' in one of Megatron 0.19.2's help texts, without which `--help` crashes, and names
    the closest flags when argparse finds one it does not know.
-2. After parsing: checks the flags against Megatron's (`validate_against_megatron`, errors name
-   both flags), sets `megatron_ext.specs.set_default_ext_config(...)`, and, for MoE models
-   (`--num-experts`) without a `--spec`, sets `args.spec = ["megatron_ext.specs", "gpt_block_spec"]`:
+2. After parsing, and again after Megatron's `validate_args` (which derives some settings, e.g. a
+   virtual pipeline from --pipeline-model-parallel-layout): checks the flags against Megatron's
+   (`validate_against_megatron`, errors name both flags), sets
+   `megatron_ext.specs.set_default_ext_config(...)`, and, for MoE models (`--num-experts`) without a
+   `--spec`, sets `args.spec = ["megatron_ext.specs", "gpt_block_spec"]`:
    megatron.training's `gpt_config_from_args` imports it with `import_module(args.spec)` and
    `GPTModelBuilder.build_model` calls it as `gpt_block_spec(model_config, vp_stage=...)`.
 
@@ -71,6 +73,13 @@ def check_megatron_hook_points() -> None:
     if "parse_args" not in validate.__code__.co_names or validate.__globals__ is not vars(arguments):
         problems.append("parse_and_validate_args no longer calls the module-level parse_args (the wrapper "
                         "would be bypassed)")
+    if "validate_args" not in validate.__code__.co_names:
+        problems.append("parse_and_validate_args no longer calls the module-level validate_args (the checks of "
+                        "the settings it derives would be bypassed)")
+    validate_args = getattr(arguments.validate_args, "__wrapped__", arguments.validate_args)
+    if list(inspect.signature(validate_args).parameters) != ["args", "defaults"]:
+        problems.append(f"megatron.training.arguments.validate_args{inspect.signature(validate_args)} (expected "
+                        f"(args, defaults={{}}))")
     if "import_module" not in argument_utils.gpt_config_from_args.__code__.co_names:
         problems.append("megatron.training.argument_utils.gpt_config_from_args no longer imports args.spec "
                         "with import_module")
@@ -296,6 +305,7 @@ def install() -> callable:
     original = arguments.parse_args
     if getattr(original, "_megatron_ext_hook", False):
         return original._megatron_ext_uninstall
+    original_validate = arguments.validate_args
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -305,12 +315,24 @@ def install() -> callable:
         prepare_parsed_args(args)
         return args
 
+    @functools.wraps(original_validate)
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        args = original_validate(args, defaults)
+        # Again after Megatron derived settings from others (a virtual pipeline from
+        # --pipeline-model-parallel-layout, --cuda-graph-impl from a deprecated --cuda-graph-modules
+        # value), which the first check, inside parse_args, could not see.
+        if hasattr(args, "moe_ext_dispatcher"):  # parsed through the hook
+            prepare_parsed_args(args)
+        return args
+
     def uninstall():
         arguments.parse_args = original
+        arguments.validate_args = original_validate
 
     parse_args._megatron_ext_hook = True
     parse_args._megatron_ext_uninstall = uninstall
     arguments.parse_args = parse_args
+    arguments.validate_args = validate_args
     return uninstall
 
 
@@ -384,4 +406,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Through the imported module, not this __main__ copy: a script that imports megatron_ext.launch
+    # (examples/pretrain_gpt.py) then shares its state (the notices printed once).
+    from megatron_ext.launch import main as imported_main
+
+    imported_main()

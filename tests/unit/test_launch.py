@@ -4,6 +4,7 @@ internals it relies on (a test fails loudly when megatron-core changes them)."""
 import argparse
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,12 +25,12 @@ def hooked(monkeypatch):
     """The hook installed for one test, removed (with the default ext config reset) after it."""
     from megatron.training import arguments
 
-    original = arguments.parse_args
+    original, original_validate = arguments.parse_args, arguments.validate_args
     monkeypatch.setattr(launch, "_printed", set())  # each test a fresh process: its notices print once
     uninstall = launch.install()
     yield arguments
     uninstall()
-    assert arguments.parse_args is original
+    assert arguments.parse_args is original and arguments.validate_args is original_validate
     monkeypatch.setattr(specs, "_default_ext_config", None)
 
 
@@ -77,6 +78,54 @@ def test_hook_adds_the_group_and_chains_the_scripts_provider(hooked):
 def test_hook_covers_parse_and_validate_args(hooked):
     """parse_and_validate_args looks parse_args up at call time, so it reaches the wrapper."""
     assert hooked.parse_and_validate_args.__globals__["parse_args"] is hooked.parse_args
+
+
+TRAINABLE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-4", "--bf16", "--vocab-size", "1000",
+             "--tokenizer-type", "NullTokenizer", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
+
+
+@pytest.mark.parametrize("world_size, flags, refusal", [
+    # Megatron derives a virtual pipeline of 2 from the layout: 4 microbatches alive per layer
+    ("2", ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|t|t|tL",
+           "--moe-ext-lease-slots", "2"], "set --moe-ext-lease-slots 4"),
+    # Megatron turns the deprecated module value into --cuda-graph-impl full_iteration
+    ("1", ["--cuda-graph-modules", "full_iteration", "--no-check-for-nan-in-loss-and-grad", "--moe-ext-cuda-graphs"],
+     "--cuda-graph-impl full_iteration with --moe-ext-cuda-graphs"),
+])
+def test_settings_megatron_derives_in_validate_args_are_checked_too(hooked, monkeypatch, world_size, flags, refusal):
+    """The first check runs inside parse_args, before validate_args derives these; unmodified
+    pretrain_gpt.py calls parse_and_validate_args, whose validate_args the hook wraps."""
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.setenv("RANK", "0")
+    args = parse_with(hooked, MOE_MODEL + TRAINABLE + flags)  # passes the first check
+    with pytest.raises(MoEExtArgumentError, match=re.escape(refusal)):
+        hooked.validate_args(args)
+
+
+def test_hook_covers_validate_args_of_parse_and_validate_args(hooked):
+    assert hooked.parse_and_validate_args.__globals__["validate_args"] is hooked.validate_args
+    assert hooked.validate_args.__wrapped__.__module__ == "megatron.training.arguments"
+
+
+def test_a_script_importing_the_launcher_shares_its_printed_notices(tmp_path):
+    """`python -m megatron_ext.launch` runs the launcher as __main__; a script that imports
+    megatron_ext.launch (examples/pretrain_gpt.py) must reach the same module, or every start-up
+    notice printed by both prints twice."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        from megatron.training import arguments
+        from megatron_ext import launch
+        launch._print_once("megatron_ext: a notice")
+        hooks_print_once = arguments.parse_args._megatron_ext_uninstall.__globals__["_print_once"]
+        hooks_print_once("megatron_ext: a notice")
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-m", "megatron_ext.launch", str(script)], env=env, cwd=str(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("megatron_ext: a notice") == 1, result.stdout
 
 
 def test_install_twice_is_one_hook(hooked):
