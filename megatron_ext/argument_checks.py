@@ -15,8 +15,9 @@ import importlib.util
 
 from megatron_ext.arguments import FLAGS, MoEExtArgumentError, ext_config_from_args
 from megatron_ext.cuda_graphs.schedule import live_microbatches
-from megatron_ext.rules import (MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings, arena_args_problems, expert_problems,
-                                graph_runner_clash, moe_problems, optimizer_problems, rowwise_problems)
+from megatron_ext.rules import (MEGATRON_VERSION, MOE_ACT_RECOMPUTE, MXFP8_FP16, MXFP8_PROBS_ON_INPUT, ExpertSettings,
+                                arena_args_problems, expert_problems, graph_runner_clash, moe_problems,
+                                optimizer_problems, rowwise_problems)
 
 
 def _rowwise_conflicts(args) -> list[str]:
@@ -79,13 +80,21 @@ def _ext_flag_conflicts(args) -> list[str]:
 def _router_gemms_conflicts(args) -> list[str]:
     """--moe-ext-router-gemms places the fused router's gating GEMMs only with bf16 tokens and an fp32
     router (moe/fused_router.py); elsewhere Megatron's router dtype decides and the flag does nothing."""
+    from megatron_ext.moe.fused_router import unfused_reasons_for_args
+
     gemms, bf16 = getattr(args, "moe_ext_router_gemms", "triton"), bool(getattr(args, "bf16", False))
     router_dtype = getattr(args, "moe_router_dtype", None)
-    if gemms == "triton" or (bf16 and router_dtype == "fp32"):
+    if gemms == "triton":
         return []
-    return [f"--moe-ext-router-gemms {gemms} places the fused router's gating GEMMs with bf16 tokens and an fp32 "
-            f"router, and this run has {'--bf16' if bf16 else 'no --bf16'} and --moe-router-dtype {router_dtype}: it "
-            f"would do nothing; drop it, or set --bf16 --moe-router-dtype fp32"]
+    if not (bf16 and router_dtype == "fp32"):
+        return [f"--moe-ext-router-gemms {gemms} places the fused router's gating GEMMs with bf16 tokens and an fp32 "
+                f"router, and this run has {'--bf16' if bf16 else 'no --bf16'} and --moe-router-dtype {router_dtype}: "
+                f"it would do nothing; drop it, or set --bf16 --moe-router-dtype fp32"]
+    unfused = unfused_reasons_for_args(args)  # fused_router / fused_route_map off: MoEExtConfig says so
+    if unfused:
+        return [f"--moe-ext-router-gemms {gemms} places the fused router's gating GEMMs, and this run's router is not "
+                f"fused ({', '.join(unfused)}: Megatron's routing runs): it would do nothing; drop it"]
+    return []
 
 
 def training_loop_conflicts(args) -> list[str]:
@@ -139,9 +148,16 @@ def _expert_conflicts(args) -> list[str]:
     problems = [f"--num-experts {args.num_experts}: {problem}" for problem in moe_problems(settings)]
     problems += optimizer_problems(args)
     if args.moe_ext_dispatcher == "rowwise":  # with megatron the layer builds Megatron's own experts instead
+        fallback = "--moe-ext-dispatcher megatron"
         problems += [f"--num-experts {args.num_experts} with megatron_ext's grouped experts (--moe-ext-dispatcher "
-                     f"rowwise): {problem}; or use --moe-ext-dispatcher megatron (Megatron's own experts)"
+                     f"rowwise): {problem}" + ("" if fallback in problem else f"; or use {fallback} (Megatron's own "
+                                                                               f"experts)")
                      for problem in expert_problems(settings)]
+    moe_act = "moe_act" in (getattr(args, "recompute_modules", None) or ())
+    if getattr(args, "recompute_granularity", None) == "selective" and moe_act and not args.moe_grouped_gemm:
+        problems.append(f"--recompute-modules moe_act without --moe-grouped-gemm: Megatron {MEGATRON_VERSION}'s "
+                        f"TransformerConfig refuses it (a traceback when the model is built); add --moe-grouped-gemm "
+                        f"(megatron_ext's experts are grouped either way): {MOE_ACT_RECOMPUTE}")
     if getattr(args, "moe_ext_dropless_arena", False):
         problems += arena_args_problems(args)
     if getattr(args, "moe_ext_mxfp8_dispatch", False) and getattr(args, "moe_apply_probs_on_input", False):

@@ -248,6 +248,8 @@ class MoEExtConfig:
         changed = self.changed_fields()
         for name, unused, why in (
                 ("capacity_factor", self.dropless, "dropless=True sizes every buffer for the worst case"),
+                ("on_overflow", self.dropless and self.on_overflow == "drop",
+                 "dropless=True sizes every buffer for the worst case, so no route can overflow"),
                 ("arena_region_factor", not self.dropless_arena, "it sizes the regions of the dropless arena "
                                                                  "(dropless_arena=True)"),
                 ("router_gemms", not (self.fused_router and self.fused_route_map),

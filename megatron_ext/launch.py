@@ -174,8 +174,9 @@ def prepare_parsed_args(args) -> None:
         return
     validate_against_megatron(args)
     ext_config = ext_config_from_args(args)
-    if getattr(args, "num_experts", None) is None:
-        _refuse_moe_settings_without_experts(ext_config)
+    why_dense = _no_moe_layers(args)
+    if why_dense:
+        _refuse_moe_settings_without_experts(ext_config, why_dense)
     specs.set_default_ext_config(_layer_settings(ext_config))
     training_hooks.install(ext_config)  # DDP buckets, metrics and replica checks around every train_step
     if getattr(args, "num_experts", None) is None:
@@ -246,13 +247,25 @@ def _unused_moe_settings(ext_config) -> str:
     return f", which do not use {flags}" if flags else ""
 
 
-def _refuse_moe_settings_without_experts(ext_config) -> None:
-    """A dense model (no --num-experts) with MoE settings changed: refused, not ignored."""
+def _no_moe_layers(args) -> str | None:
+    """Why the model has no MoE layer, or None: no --num-experts, or --moe-layer-freq all zeros."""
+    if getattr(args, "num_experts", None) is None:
+        return "--num-experts is not set"
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)) and not any(freq):
+        return f"--moe-layer-freq {list(freq)} places none"
+    return None
+
+
+def _refuse_moe_settings_without_experts(ext_config, why_dense: str) -> None:
+    """A dense model (no --num-experts, or a --moe-layer-freq list of zeros) with MoE settings
+    changed: refused, not ignored."""
     flags = _changed_moe_flags(ext_config)
     if flags:
         verb, them = ("configure", "them") if ", " in flags else ("configures", "it")
-        raise MoEExtArgumentError(f"{flags} {verb} MoE layers, and this model has none (--num-experts is not set): set "
-                                  f"--num-experts for a MoE model, or drop {them}")
+        raise MoEExtArgumentError(f"{flags} {verb} MoE layers, and this model has none ({why_dense}): set "
+                                  f"--num-experts for a MoE model with --moe-layer-freq placing its MoE layers, or "
+                                  f"drop {them}")
 
 
 def _resolve_spec(spec: list[str]) -> None:

@@ -51,6 +51,10 @@ ROWWISE_REFUSED: tuple[Refused, ...] = (
 )
 
 
+# The experts' activation recompute, spelled in full: Megatron 0.19.2 honors moe_act only with selective
+# granularity, and its TransformerConfig refuses it without --moe-grouped-gemm.
+MOE_ACT_RECOMPUTE = "--recompute-granularity selective --recompute-modules moe_act --moe-grouped-gemm"
+
 # What the grouped experts (DeviceOffsetGroupedMLP) cannot honor; under dispatcher="megatron" the
 # layer builds Megatron's own experts instead (specs.moe_builder).
 EXPERT_REFUSED: tuple[Refused, ...] = (
@@ -61,7 +65,7 @@ EXPERT_REFUSED: tuple[Refused, ...] = (
             "drop it, or use --moe-ext-dispatcher megatron"),
     Refused("activation_func_fp8_input_store", "activation_func_fp8_input_store (TransformerConfig)",
             "the grouped experts keep the activation's input in the parameters' dtype",
-            "set it False, or save that memory with --recompute-modules moe_act"),
+            f"set it False, or save that memory with {MOE_ACT_RECOMPUTE}"),
     Refused("overlap_dispatch_backward_with_experts_wgrad", "--overlap-dispatch-backward-with-experts-wgrad",
             "the grouped experts compute their weight gradients in the main backward", "drop it"),
     Refused("moe_ncclep_zero_copy", "--moe-ncclep-zero-copy",
@@ -123,10 +127,10 @@ def graph_runner_clash(settings, ext) -> list[str]:
     recompute = _layer_recompute(settings)
     if ext_value("cuda_graphs") and recompute:
         problems.append(f"{recompute[0]} with --moe-ext-cuda-graphs: {recompute[1]}; drop one "
-                        f"(--recompute-modules moe_act works with the graph runner)")
+                        f"({MOE_ACT_RECOMPUTE} works with the graph runner)")
     if ext_value("dropless_arena") and recompute:
         problems.append(f"{recompute[0]} with --moe-ext-dropless-arena: the recomputed layers would run out of "
-                        f"their model order, which the arena's regions follow; drop one (--recompute-modules moe_act "
+                        f"their model order, which the arena's regions follow; drop one ({MOE_ACT_RECOMPUTE} "
                         f"recomputes inside each layer and works with the arena)")
     graph_flag = _megatron_graph_flag(settings)
     if ext_value("dropless_arena") and graph_flag:
@@ -203,13 +207,19 @@ def megatron_graph_problems(settings) -> list[str]:
                "forward and backward, for every capacity policy and pipeline schedule")
     local = graph_impl == "local" or bool(getattr(settings, "enable_cuda_graph", False))
     if not local:
-        return [f"{graph_flag}: Megatron's {graph_impl or 'external'} CUDA-graph runner is not verified with the "
+        # --external-cuda-graph reads "none" until Megatron's validate_args sets transformer_engine
+        runner = graph_impl if graph_impl not in (None, "none") else "transformer_engine"
+        return [f"{graph_flag}: Megatron's {runner} CUDA-graph runner is not verified with the "
                 f"rowwise layer; use --cuda-graph-impl local (whole layers), or {instead}"]
-    modules = (getattr(settings, "cuda_graph_modules", None) or getattr(settings, "cuda_graph_scope_deprecated", None)
-               or getattr(settings, "cuda_graph_scope", None))  # the launcher's dest for the deprecated flag
+    modules_flag, modules = next(((flag, getattr(settings, field)) for flag, field in (
+        ("--cuda-graph-modules", "cuda_graph_modules"), ("--cuda-graph-scope", "cuda_graph_scope_deprecated"),
+        ("--cuda-graph-scope", "cuda_graph_scope"))  # the launcher's dest for the deprecated flag
+        if getattr(settings, field, None)), ("--cuda-graph-modules", None))
     if not _whole_layer(modules):
-        return [f"{graph_flag} with --cuda-graph-modules {modules}: Megatron's partial-layer MoE captures assume "
-                f"its own dispatchers; leave --cuda-graph-modules empty (whole layers), or {instead}"]
+        names = " ".join(getattr(m, "name", str(m)) for m in (modules if isinstance(modules, (list, tuple))
+                                                               else [modules]))
+        return [f"{graph_flag} with {modules_flag} {names}: Megatron's partial-layer MoE captures assume "
+                f"its own dispatchers; leave {modules_flag} out (whole layers), or {instead}"]
     pipeline = getattr(settings, "pipeline_model_parallel_size", 1) or 1
     if pipeline > 1:
         return [f"{graph_flag} with --pipeline-model-parallel-size {pipeline}: a whole-layer graph bakes in one "
@@ -331,7 +341,7 @@ def _cpu_offloading(settings) -> list[str]:
         return []
     return [f"cpu_offloading (--cpu-offloading-num-layers {layers}): Transformer Engine's offload context does not "
             f"reach the tensors the grouped experts keep for their backward; drop it, or save the experts' "
-            f"activation memory with --recompute-modules moe_act"]
+            f"activation memory with {MOE_ACT_RECOMPUTE}"]
 
 
 def _expert_offloads(settings) -> tuple[str, ...]:
@@ -352,6 +362,9 @@ def moe_problems(settings: ExpertSettings) -> list[str]:
             problems.append(f"num_moe_experts={settings.num_experts} (--num-experts {settings.num_experts}) is not "
                             f"divisible by the expert-parallel size (--expert-model-parallel-size {settings.ep}): "
                             f"every expert-parallel rank holds the same number of experts")
+        if settings.topk is not None and settings.topk < 1:
+            problems.append(f"moe_router_topk={settings.topk} (--moe-router-topk {settings.topk}): every token needs "
+                            f"at least one expert; choose top-k >= 1")
         if settings.topk is not None and settings.topk > settings.num_experts:
             problems.append(f"moe_router_topk={settings.topk} (--moe-router-topk {settings.topk}) exceeds "
                             f"num_moe_experts={settings.num_experts} (--num-experts {settings.num_experts}); choose "
@@ -400,8 +413,7 @@ def expert_problems(settings: ExpertSettings) -> list[str]:
         modules = " ".join(settings.offloaded)
         problems.append(f"offload_modules {list(settings.offloaded)} (--fine-grained-activation-offloading "
                         f"--offload-modules {modules}): the grouped experts do not offload their activations to "
-                        f"the host; drop those modules, or save the activation's memory with "
-                        f"--recompute-granularity selective --recompute-modules moe_act")
+                        f"the host; drop those modules, or save the activation's memory with {MOE_ACT_RECOMPUTE}")
     if settings.gated and settings.glu_interleave is not None:
         problems.append(f"moe_mlp_glu_interleave_size={settings.glu_interleave} (--moe-mlp-glu-interleave-size "
                         f"{settings.glu_interleave}) is TEGroupedMLP's interleaved fc1 layout; the grouped experts "

@@ -20,8 +20,10 @@ against megatron-core 0.19.2 (transformer/moe/router.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -192,6 +194,17 @@ def unfused_reasons(router: TopKRouter) -> list[str]:
         (router.bias is not None, "a router bias (add_bias_linear)"),
     ]
     return [reason for failed, reason in checks if failed]
+
+
+def unfused_reasons_for_args(args) -> list[str]:
+    """`unfused_reasons` for Megatron's parsed arguments (the launcher's check), through a stand-in
+    router with the attributes TopKRouter derives from the same settings (megatron-core 0.19.2)."""
+    stand_in = SimpleNamespace(
+        config=args, score_function=args.moe_router_score_function, routing_type=args.moe_router_load_balancing_type,
+        enable_expert_bias=bool(args.moe_router_enable_expert_bias),
+        router_replay=True if args.moe_enable_routing_replay else None, bias=True if args.add_bias_linear else None)
+    stand_in.get_aux_loss_coeff = functools.partial(TopKRouter.get_aux_loss_coeff, stand_in)
+    return unfused_reasons(stand_in)
 
 
 class FusedTopKRouter(TopKRouter):

@@ -10,6 +10,7 @@ from megatron_ext.argument_checks import validate_against_megatron
 from megatron_ext.arguments import (FLAGS, MoEExtArgumentError, add_moe_ext_args, ext_config_from_args,
                                     ext_config_to_argv, flag_table_markdown)
 from megatron_ext.config import MoEExtConfig
+from megatron_ext.rules import MOE_ACT_RECOMPUTE
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOE_MODEL = ["--num-experts", "8", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local",
@@ -122,7 +123,10 @@ def _parse(parser, argv):
     (MOE_MODEL + ["--cuda-graph-impl", "local", "--moe-ext-transport", "torch", "--expert-model-parallel-size", "2"],
      ["--cuda-graph-impl local", "--moe-ext-transport torch", "--moe-ext-transport symm"]),
     (MOE_MODEL + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"],
-     ["--cuda-graph-impl local", "--cuda-graph-modules", "--moe-ext-cuda-graphs"]),
+     ["--cuda-graph-impl local", "--cuda-graph-modules attn moe:", "--moe-ext-cuda-graphs"]),
+    (MOE_MODEL + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"],
+     ["--cuda-graph-impl local with --cuda-graph-scope attn:", "leave --cuda-graph-scope out"]),
+    (MOE_MODEL + ["--external-cuda-graph"], ["--external-cuda-graph: Megatron's transformer_engine CUDA-graph"]),
     (MOE_MODEL + ["--cuda-graph-impl", "local", "--pipeline-model-parallel-size", "2"],
      ["--cuda-graph-impl local", "--pipeline-model-parallel-size 2", "--moe-ext-cuda-graphs"]),
     (MOE_MODEL + ["--cuda-graph-impl", "transformer_engine"], ["--cuda-graph-impl transformer_engine",
@@ -213,6 +217,35 @@ def test_graph_and_recompute_clashes_do_not_offer_the_megatron_dispatcher(megatr
     assert advice in message, message
 
 
+@pytest.mark.parametrize("dispatcher", ["rowwise", "megatron"])
+def test_expert_activation_recompute_needs_grouped_gemm_as_megatron_says(megatron_parser, dispatcher):
+    """Megatron's TransformerConfig raises for moe_act without --moe-grouped-gemm when the model is
+    built (a traceback); the launcher says it at start-up with the whole setting."""
+    argv = MOE_MODEL + ["--moe-ext-dispatcher", dispatcher, "--recompute-granularity", "selective",
+                        "--recompute-modules", "moe_act"]
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(_parse(megatron_parser, argv))
+    assert "--recompute-modules moe_act without --moe-grouped-gemm" in str(error.value)
+    assert MOE_ACT_RECOMPUTE in str(error.value)
+    validate_against_megatron(_parse(megatron_parser, argv + ["--moe-grouped-gemm"]))
+    # moe_act is also the advice of other refusals: always spelled in full
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--cpu-offloading-num-layers", "1"]))
+    assert MOE_ACT_RECOMPUTE in str(error.value)
+
+
+@pytest.mark.parametrize("topk", ["0", "-1"])
+def test_top_k_below_one_is_refused_at_start_up(megatron_parser, topk):
+    with pytest.raises(MoEExtArgumentError, match=f"--moe-router-topk {topk}\\): every token needs at least one"):
+        validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--moe-router-topk", topk]))
+
+
+def test_advice_to_use_megatrons_dispatcher_is_given_once(megatron_parser):
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--fp8-format", "e4m3"]))
+    assert str(error.value).count("--moe-ext-dispatcher megatron") == 1, str(error.value)
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["--moe-ext-capacity-factor", "0"], "--moe-ext-capacity-factor"),
     (["--moe-ext-lease-slots", "0"], "--moe-ext-lease-slots"),
@@ -275,6 +308,20 @@ def test_router_gemms_refused_where_the_router_dtype_leaves_nothing_to_place(meg
         validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--moe-ext-router-gemms", "cublas"]))
     validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--moe-ext-router-gemms", "cublas", "--bf16",
                                                                    "--moe-router-dtype", "fp32"]))
+
+
+@pytest.mark.parametrize("router, reason", [
+    (["--moe-router-score-function", "sigmoid"], "moe_router_score_function='sigmoid'"),
+    (["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"], "moe_router_enable_expert_bias"),
+    (["--moe-z-loss-coeff", "0.1"], "moe_z_loss_coeff"),
+])
+def test_router_gemms_refused_where_the_router_is_not_fused(megatron_parser, router, reason):
+    placed = MOE_MODEL + ["--moe-ext-router-gemms", "cublas", "--bf16", "--moe-router-dtype", "fp32"]
+    with pytest.raises(MoEExtArgumentError) as error:
+        validate_against_megatron(_parse(megatron_parser, placed + router))
+    message = str(error.value)
+    assert "this run's router is not fused" in message and reason in message, message
+    validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--bf16", "--moe-router-dtype", "fp32"] + router))
 
 
 def test_off_flags_are_named_as_typed(megatron_parser):

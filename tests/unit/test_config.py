@@ -176,6 +176,7 @@ def test_arena_region_factor_is_checked_without_the_arena_too(value):
 
 @pytest.mark.parametrize("settings,field", [
     (dict(dropless=True, capacity_factor=2.0), "capacity_factor"),
+    (dict(dropless=True, on_overflow="drop"), "on_overflow"),
     (dict(arena_region_factor=0.5), "arena_region_factor"),
     (dict(fused_router=False, router_gemms="cublas"), "router_gemms"),
     (dict(fused_route_map=False, router_gemms="cublas"), "router_gemms"),

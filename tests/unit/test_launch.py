@@ -333,6 +333,16 @@ def test_user_errors_exit_2_with_one_message_and_no_traceback(tmp_path, flags, m
     assert message in result.stderr.strip().splitlines()[-1], result.stderr[-3000:]
 
 
+def test_moe_settings_on_a_moe_model_without_moe_layers_are_refused(hooked):
+    """--moe-layer-freq [0,0] builds dense layers only: a rowwise setting would do nothing."""
+    dense_freq = MOE_MODEL + ["--num-layers", "2", "--moe-layer-freq", "[0,0]"]
+    with pytest.raises(MoEExtArgumentError, match=re.escape("this model has none (--moe-layer-freq [0, 0] places "
+                                                            "none)")):
+        parse_with(hooked, dense_freq + ["--moe-ext-dropless"])
+    parse_with(hooked, dense_freq)  # the model itself is Megatron's to accept
+    parse_with(hooked, MOE_MODEL + ["--num-layers", "2", "--moe-layer-freq", "[0,1]", "--moe-ext-dropless"])
+
+
 def test_dense_model_keeps_the_replica_check(tmp_path):
     result = _launch(tmp_path, PARSE_ONLY, "--moe-ext-replica-check-interval", "5")
     assert result.returncode == 0 and "PARSED" in result.stdout, result.stderr[-3000:]
