@@ -364,3 +364,58 @@ def test_every_megatron_optimizer_is_allowed_or_refused_by_name(megatron_parser)
     choices = next(a.choices for a in megatron_parser._actions if "--optimizer" in a.option_strings)
     assert sorted(set(choices) - set(NDIM_ROUTED_OPTIMIZERS)) == ["adam", "sgd"], choices
     assert set(NDIM_ROUTED_OPTIMIZERS) <= set(choices)
+
+
+# ---- cases a mutation audit found unasserted -------------------------------------------------------
+
+@pytest.mark.parametrize("half", [["--bf16"], ["--moe-router-dtype", "fp32"]])
+def test_router_gemms_need_both_bf16_tokens_and_an_fp32_router(megatron_parser, half):
+    with pytest.raises(MoEExtArgumentError, match="it would do nothing"):
+        validate_against_megatron(_parse(megatron_parser, MOE_MODEL + ["--moe-ext-router-gemms", "cublas"] + half))
+
+
+def _lease_check(megatron_parser, argv, world_size=None):
+    args = _parse(megatron_parser, MOE_MODEL + argv)
+    if world_size is not None:
+        args.world_size = world_size  # parse_args reads WORLD_SIZE; this parser does not
+    validate_against_megatron(args)
+
+
+def test_lease_slots_count_microbatches_per_data_parallel_replica(megatron_parser):
+    """pp 4 on 16 ranks is data parallel 4: a global batch of 8 is 2 microbatches per replica."""
+    pipeline = ["--pipeline-model-parallel-size", "4", "--global-batch-size", "8", "--micro-batch-size", "1",
+                "--moe-ext-lease-slots", "2"]
+    _lease_check(megatron_parser, pipeline, world_size=16)
+    with pytest.raises(MoEExtArgumentError, match="with 8 microbatches per step .* set --moe-ext-lease-slots 4"):
+        _lease_check(megatron_parser, pipeline, world_size=4)
+
+
+def test_lease_slots_read_the_virtual_pipeline_from_layers_per_stage(megatron_parser):
+    """8 layers, pp 2, 2 layers per virtual stage: vpp 2, so 5 microbatches alive (not vpp 4's 9)."""
+    argv = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
+            "--global-batch-size", "16", "--micro-batch-size", "1"]
+    _lease_check(megatron_parser, argv + ["--moe-ext-lease-slots", "5"])
+    with pytest.raises(MoEExtArgumentError, match="set --moe-ext-lease-slots 5"):
+        _lease_check(megatron_parser, argv + ["--moe-ext-lease-slots", "4"])
+
+
+def test_lease_slots_count_the_extra_forward_of_overlapped_expert_communication(megatron_parser):
+    argv = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "2",
+            "--global-batch-size", "8", "--micro-batch-size", "1", "--moe-ext-lease-slots", "5"]
+    _lease_check(megatron_parser, argv)
+    args = _parse(megatron_parser, MOE_MODEL + argv)
+    args.overlap_moe_expert_parallel_comm = True  # the rowwise layer refuses the flag; the count models it
+    from megatron_ext.argument_checks import _schedule_conflicts
+
+    assert "set --moe-ext-lease-slots 6" in " ".join(_schedule_conflicts(args))
+
+
+def test_an_explicit_megatron_ext_spec_takes_an_attention_variant(megatron_parser):
+    """Only Megatron's own spec choice (no --spec) builds the variant from Megatron's spec."""
+    validate_against_megatron(_parse(megatron_parser, MOE_MODEL + [
+        "--experimental-attention-variant", "gated_delta_net", "--spec", "megatron_ext.specs", "gpt_block_spec"]))
+
+
+def test_top_k_equal_to_the_number_of_experts_is_valid(megatron_parser):
+    validate_against_megatron(_parse(megatron_parser, MOE_MODEL[2:] + ["--num-experts", "4", "--moe-router-topk",
+                                                                       "4"]))

@@ -190,6 +190,14 @@ def test_a_rowwise_setting_another_one_disables_is_refused(settings, field):
     MoEExtConfig(**{k: v for k, v in settings.items() if k != field})  # the rest alone is fine
 
 
+@pytest.mark.parametrize("settings", [dict(transport="torch", dropless_arena=True, lease_slots=4),
+                                      dict(transport="torch", cuda_graphs=True, lease_slots=4),
+                                      dict(transport="symm", lease_slots=4)])
+def test_lease_slots_are_kept_where_they_size_something(settings):
+    """The arena's slots and the graph slots follow lease_slots on any transport."""
+    assert MoEExtConfig(**settings).lease_slots == 4
+
+
 def test_every_problem_is_reported_at_once():
     """Three unrelated mistakes: one error lists all three, so a user fixes them in one go."""
     with pytest.raises(ValueError) as error:

@@ -346,6 +346,8 @@ def test_a_run_uses_the_golden_values_of_the_visible_gpu():
     assert case.platform_for("NVIDIA H200") == "h200"
     assert case.platform_for("NVIDIA A100-SXM4-80GB") == "h200"  # none listed: the first
     assert case.platform_for(None) == "h200"
+    several = case_config.FunctionalCase("gpt/x", "/nowhere", {"PLATFORM": ["h200x8", "h100x8"]})
+    assert several.platform_for("NVIDIA H100 80GB HBM3") == "h100x8"
     assert case_config.FunctionalCase.load("gpt/moe_rowwise_ep8_folding").platform_for("NVIDIA H200") == "h200x8"
     assert case_config.FunctionalCase.load("gpt/tiny_moe_rowwise_cpu_ep2").platform_for("NVIDIA H100") == "cpu"
     assert case.golden_path("h100").endswith("moe_rowwise_1gpu/golden_values_dev_h100.json")
@@ -383,6 +385,30 @@ def test_runner_says_no_golden_values_yet_instead_of_passing(monkeypatch, tmp_pa
     outcome = case_run.run_case("gpt/listed", str(tmp_path / "out"))
     assert outcome.code == case_run.NO_GOLDEN and "golden_values_dev_h100.json" in outcome.summary
     assert "on h100" in outcome.summary
+
+def test_generate_writes_both_runs_of_a_ckpt_resume_case_for_the_visible_gpu(monkeypatch, tmp_path):
+    """--generate on a ckpt-resume case: run 1's values and the resumed run's, each in its own
+    file named for the visible GPU (training stubbed: each run's "log" is its name)."""
+    case_dir = tmp_path / "cases" / "gpt" / "resume"
+    case_dir.mkdir(parents=True)
+    (case_dir / "model_config.yaml").write_text(
+        "SCRIPT: examples/pretrain_gpt.py\nTEST_TYPE: ckpt-resume\nRESUME_STEP: 2\nNEEDS_GPUS: 1\n"
+        "PLATFORM: [h200x8, h100x8]\nMETRICS:\n  - lm loss\nMODEL_ARGS:\n  --log-interval: 1\n"
+        "RESUME_ARGS:\n  --ckpt-step: 2\n")
+    runs = {"run_1st.log": {1: 3.0, 2: 2.0, 3: 1.0, 4: 0.5}, "run_2nd.log": {3: 1.0, 4: 0.25}}
+    monkeypatch.setattr(case_config, "TEST_CASES_DIR", str(tmp_path / "cases"))
+    monkeypatch.setattr(case_run, "visible_gpus", lambda: 8)
+    monkeypatch.setattr(case_run, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(case_run, "run_training", lambda command, env, log_path, timeout_s: os.path.basename(log_path))
+    monkeypatch.setattr(case_run, "metrics_from_log", lambda log, metrics: {
+        "lm loss": compare.to_golden_format(runs[log])})
+    case_run.run_case("gpt/resume", str(tmp_path / "out"), generate=True)
+    case = case_config.FunctionalCase.load("gpt/resume")
+    first, second = case.load_golden("h100x8"), case.load_golden("h100x8", second_run=True)
+    assert compare.values_by_step(first["lm loss"]) == runs["run_1st.log"]
+    assert compare.values_by_step(second["lm loss"]) == runs["run_2nd.log"]
+    assert case.load_golden("h200x8") is None
+
 
 def test_gpu_cases_skip_without_gpus(monkeypatch):
     monkeypatch.setattr(case_run, "visible_gpus", lambda: 0)

@@ -392,6 +392,55 @@ def test_overflow_check_names_the_busiest_load_since_the_last_check():
         guard.check("layer 1", 16, 16, 1.0)
 
 
+def _guard_with_sinks():
+    from megatron_ext.moe.metric_sinks import MetricSinks
+    from megatron_ext.moe.overflow import OverflowGuard
+
+    guard = OverflowGuard()  # two EP ranks of two experts each
+    guard.ensure(num_experts=4, ep_size=2, device=torch.device("cpu"))
+    return guard, MetricSinks(overflow=guard.sums, peak_demand=guard.peak_demand)
+
+
+def _route_metrics(requested: list[int], kept: list[int]) -> rm.RouteMetrics:
+    zero = torch.zeros((), dtype=torch.int32)
+    return rm.RouteMetrics(rm.pack_metrics(torch.tensor(requested), torch.tensor(kept), zero, zero, zero),
+                           buffer_fill=torch.zeros(()))
+
+
+def test_one_overflowed_route_is_an_error():
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    guard, sinks = _guard_with_sinks()
+    sinks.add(_route_metrics([9, 8, 1, 1], [8, 8, 1, 1]), ep_size=2)
+    with pytest.raises(CapacityExceeded, match="1 route.s. overflowed"):
+        guard.check("layer 1", 16, 16, 1.0)
+    sinks.add(_route_metrics([8, 8, 1, 1], [8, 8, 1, 1]), ep_size=2)
+    guard.check("layer 1", 16, 16, 1.0)  # none overflowed: nothing to say
+
+
+def test_arena_overflow_blames_the_view_only_when_the_load_exceeds_it():
+    """At a peak equal to the layer's view the view held it: the budget was spent by earlier layers."""
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    guard, sinks = _guard_with_sinks()
+    sinks.add(_route_metrics([12, 12, 1, 1], [8, 8, 1, 1]), ep_size=2)  # rank 0 asked for 24 rows
+    with pytest.raises(CapacityExceeded, match="Earlier layers' spill used the budget"):
+        guard.check("layer 2", 16, 16, 1.0, arena_view=(24, "--moe-ext-arena-region-factor"))
+    sinks.add(_route_metrics([12, 12, 1, 1], [8, 8, 1, 1]), ep_size=2)
+    with pytest.raises(CapacityExceeded, match="at most 23 rows in this layer .* raise --moe-ext-arena-region-factor"):
+        guard.check("layer 2", 16, 16, 1.0, arena_view=(23, "--moe-ext-arena-region-factor"))
+
+
+def test_overflow_counters_are_made_once():
+    """The layer asks again when it builds other sinks (evaluation): the training sinks must keep
+    adding into the tensors `check` reads."""
+    guard, sinks = _guard_with_sinks()
+    sums, peak = guard.sums, guard.peak_demand
+    sinks.add(_route_metrics([9, 8, 1, 1], [8, 8, 1, 1]), ep_size=2)
+    guard.ensure(num_experts=4, ep_size=2, device=torch.device("cpu"))
+    assert guard.sums is sums and guard.peak_demand is peak and int(guard.peak_demand.max()) == 17
+
+
 def test_metric_sinks_refuse_counters_the_route_launch_would_write_out_of_bounds():
     from megatron_ext.moe.metric_sinks import MetricSinks
 
@@ -404,3 +453,5 @@ def test_metric_sinks_refuse_counters_the_route_launch_would_write_out_of_bounds
         MetricSinks(overflow=good, peak_demand=torch.zeros(3, dtype=torch.int64)).check(4, 2, cpu)
     with pytest.raises(ValueError, match="go together"):
         MetricSinks(overflow=good).check(4, 2, cpu)
+    with pytest.raises(ValueError, match="on cpu .* on meta"):  # another device: the launch cannot write there
+        MetricSinks(running=torch.zeros(12, dtype=torch.int64, device="meta")).check(4, 2, cpu)
