@@ -341,3 +341,15 @@ def test_grouped_linear_takes_a_transposed_view():
     for expert, end in enumerate(offsets.tolist()):
         torch.testing.assert_close(rows.grad[start:end], weight[expert].detach().sum(0).expand(end - start, HIDDEN))
         start = end
+
+
+def test_main_grad_is_given_back_when_the_warm_up_fails():
+    """A warm-up that raises (out of memory, a refused setting) falls back to eager: the eager
+    backward must add to DDP's main_grad again, not to the scratch stand-in."""
+    weight = torch.nn.Parameter(torch.zeros(2, 3))
+    weight.main_grad = original = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        with main_grads_set_aside([weight]):
+            assert weight.main_grad is not original
+            raise RuntimeError("warm-up failed")
+    assert weight.main_grad is original

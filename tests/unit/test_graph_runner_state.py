@@ -441,3 +441,36 @@ def test_a_forward_with_nothing_to_differentiate_runs_eagerly_and_takes_no_slot(
     assert runner.slots[0].busy
     out.sum().backward()
     assert not runner.slots[0].busy
+
+
+class _LayerWithRouter(_Layer):
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return x @ self.weight + self.router, None
+
+
+def test_a_replay_flags_only_the_parameters_whose_captured_backward_added_to_main_grad():
+    """Under DDP every trainable parameter carries grad_added_to_main_grad; a replay sets it only on
+    those the captured backward added to main_grad itself (the experts' weights). A parameter whose
+    gradient goes through autograd (the router's) must stay unflagged, or DDP's hook drops it."""
+    layer = _LayerWithRouter()
+    for param in (layer.weight, layer.router):
+        param.grad_added_to_main_grad, param.main_grad = False, torch.zeros_like(param)
+    runner = _replayable(GraphedMoELayer(layer, num_slots=1), layer, 1)
+    slot = runner.slots[0]
+    slot.grads.append(torch.zeros(4))  # the router's static gradient
+    weight_backward = slot.backward_graph.replay
+
+    def backward():
+        weight_backward()
+        slot.grads[2].copy_(slot.grad_output.sum(0))
+    slot.backward_graph = SimpleNamespace(replay=backward, reset=lambda: None)
+    runner.main_grad_params, runner._main_grad_addresses = [layer.weight], [layer.weight.main_grad.data_ptr()]
+    x, grad = torch.randn(2, 4), torch.randn(2, 4)
+    runner(x)[0].backward(grad)
+    assert layer.weight.grad_added_to_main_grad is True
+    assert layer.router.grad_added_to_main_grad is False, "the router's gradient must reach DDP's hook"
+    torch.testing.assert_close(layer.router.grad, grad.sum(0))

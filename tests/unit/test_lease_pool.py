@@ -70,3 +70,25 @@ def test_a_poisoned_slot_is_fenced_by_the_transports_barrier():
     pool.fence = lambda buffer: seen.append((buffer is pool.slots[0], bool(buffer.local.isnan().all())))
     pool.acquire()
     assert seen == [(True, True)]
+
+
+def test_a_named_slot_is_leased_only_while_free():
+    """The graph runner asks for its graph's slot by index: a busy one is refused, not leased twice."""
+    pool = make_pool(2)
+    lease = pool.acquire(slot=1)
+    with pytest.raises(RuntimeError, match="slot 1 of this MoE layer holds a live microbatch"):
+        pool.acquire(slot=1)
+    assert pool.acquire().slot == 0  # the other slot is still free
+    lease.release()
+    assert pool.acquire(slot=1).slot == 1
+
+
+def test_a_stale_second_release_frees_nothing_of_the_next_lease():
+    pool = make_pool(1)
+    first = pool.acquire()
+    first.release()
+    second = pool.acquire()
+    first.release()  # a second release of the old lease: the slot belongs to `second` now
+    assert pool.live == 1 and second.slot == 0
+    with pytest.raises(RuntimeError, match="hold a live microbatch"):
+        pool.acquire()
