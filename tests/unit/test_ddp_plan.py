@@ -247,3 +247,56 @@ def test_bucket_groups_launch_in_the_order_backward_completes_them():
                           expert_parallel_bucket_groups=[experts_0, experts_2])
     # backward reaches 5, 4, 3, 2, 1, 0: E[4] is complete first, then E[2], D[1,2,3,5] at 1, D[0] last
     assert [g.name for g in launch_order(ddp)] == ["E[4]", "E[2]", "D[1,2,3,5]", "D[0]"]
+
+
+# ---- cases a mutation audit found unasserted -------------------------------------------------------
+
+def test_frozen_parameters_are_left_out_of_the_plan():
+    model = Toy()
+    model.unused.requires_grad_(False)
+    buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
+    assert all("unused" not in bucket.names for bucket in buckets.plan)
+    assert "unused" not in {info.name for info in param_infos(model)}
+
+
+def test_a_second_backward_into_a_single_bucket_is_a_clear_error():
+    model = torch.nn.Linear(3, 2, bias=False)
+    buckets = MultiGroupGradBuckets(model, {DENSE: None}, bucket_bytes=None)
+    assert len(buckets.plan) == 1
+    model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="after bucket 0 was launched"):
+        model(torch.randn(2, 3)).sum().backward()
+
+
+def test_zeroing_the_buffers_mid_step_is_refused():
+    """On one rank nothing is in flight, but the step's first buckets are launched: zeroing them
+    would lose the step."""
+    model = Toy()
+    buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
+    model(torch.randn(4, 6)).sum().backward()
+    with pytest.raises(RuntimeError, match="in flight; call finish_grad_sync"):
+        buckets.zero_grad_buffers()
+
+
+def test_nested_no_sync_keeps_syncing_off_until_the_outer_block_ends():
+    model = Toy()
+    buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
+    with buckets.no_sync():
+        with buckets.no_sync():
+            pass
+        model(torch.randn(4, 6)).sum().backward()
+    assert buckets.launch_order == [], "a backward inside the outer no_sync launched a bucket"
+
+
+def test_a_parameter_used_only_in_no_sync_microbatches_keeps_their_sum():
+    """Microbatch 0 (no_sync) uses `unused`, the last microbatch does not: finish_grad_sync must keep
+    the slot's sum, not zero it."""
+    model = Toy()
+    buckets = MultiGroupGradBuckets(model, {DENSE: None, EXPERT: None}, bucket_bytes=64)
+    buckets.zero_grad_buffers()
+    x = torch.randn(4, 6)
+    with buckets.no_sync():
+        (model(x).square().mean() + model.unused.sum() * 2).backward()
+    model(x).square().mean().backward()
+    buckets.finish_grad_sync()
+    torch.testing.assert_close(model.unused.grad, torch.full((5,), 2.0))
