@@ -11,7 +11,7 @@ from megatron.core.parallel_state import RankGenerator, _inject_gtp_remat_axis
 
 from megatron_ext.parallel.folding import FoldingMesh
 from megatron_ext.parallel.rank_groups import ATTENTION_KINDS, EXPERT_KINDS, rank_groups
-from megatron_ext.parallel.memory import GIB, ModelShape, Precision, estimate, render_memory
+from megatron_ext.parallel.memory import GIB, ModelShape, Precision, estimate, fits, render_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -264,6 +264,29 @@ def test_model_on_mesh_divisibility():
         estimate(model, FoldingMesh(8, pp=4), Precision())
     with pytest.raises(ValueError, match="experts 6 is not divisible by EP = 4"):
         estimate(model, FoldingMesh(8, ep=4), Precision())
+
+
+def test_memory_cases_a_mutation_audit_found_unasserted():
+    # tied embeddings under PP > 1: the last stage holds its own copy of the output layer
+    model = ModelShape(layers=2, hidden=64, moe_ffn=32, experts=8, topk=2, vocab=1000, tie_embeddings=True)
+    first, last = estimate(model, FoldingMesh(8, pp=2), Precision())
+    assert first.embedding_params == last.embedding_params == model.padded_vocab(1) * 64
+    # fp16 params keep an fp32 master copy too: Adam is 8 B of moments + 4 B of master
+    assert Precision("fp16").optimizer_bytes_per_param() == 12 and Precision("fp32").optimizer_bytes_per_param() == 8
+    # an all-MoE model has no dense FFN, so its ffn need not divide by TP
+    estimate(ModelShape(layers=2, hidden=64, ffn=1001, moe_ffn=32, experts=8, topk=2, vocab=1000),
+             FoldingMesh(8, tp=2), Precision())
+    # an exact fit fits
+    (stage,) = estimate(ModelShape(layers=2, hidden=64, moe_ffn=32, experts=8, topk=2, vocab=1000), FoldingMesh(8),
+                        Precision())
+    assert fits(stage, stage.total_bytes / GIB) and not fits(stage, stage.total_bytes / GIB * 0.999)
+
+
+def test_group_of_refuses_a_rank_outside_the_world():
+    mesh = FoldingMesh(8, tp=2)
+    with pytest.raises(ValueError, match="rank 8 is outside the world of 8 ranks"):
+        mesh.group_of(8, "tp")
+    assert mesh.group_of(7, "tp") == [6, 7]
 
 
 # ---------------------------------------------------------------- CLI
