@@ -116,3 +116,19 @@ def test_every_layers_view_of_every_slot_is_made_at_allocation():
             assert int(view.values_table[0]) == slot.rows.values[start].data_ptr()
     arena_slots.acquire(layers[0], 1)
     assert layers[0].lease().buffer is arena.slots[1].views[0]
+
+
+def test_arena_layout_never_has_a_negative_shared_area():
+    """Regions round up to 16 rows each; a budget that rounds up once over all layers can be smaller
+    than the regions together: the shared area is then empty, not negative."""
+    from megatron_ext.moe.arena import ArenaLayout, arena_layout
+
+    assert arena_layout(2, 1, 1, 1.0, 1.0) == ArenaLayout(2, 16, 0)
+
+
+def test_layers_of_another_shape_cannot_share_an_arena():
+    arena = RowArena(2, 2.0, 1.0)
+    arena.configure(64, 2)
+    arena.configure(64, 2)  # the same shape again: fine
+    with pytest.raises(ValueError, match="must have the same tokens per rank and top-k"):
+        arena.configure(32, 2)
