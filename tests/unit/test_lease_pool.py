@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_ext.moe.buffers import LeasePool, allocate_symmetric
+from megatron_ext.moe.buffers import LeasePool, TorchSymmetricHeap, allocate_symmetric, rows_with_values, shared_scratch
 
 
 def make_pool(slots, poison=False):
@@ -92,3 +92,25 @@ def test_a_stale_second_release_frees_nothing_of_the_next_lease():
     assert pool.live == 1 and second.slot == 0
     with pytest.raises(RuntimeError, match="hold a live microbatch"):
         pool.acquire()
+
+
+def test_return_ids_start_16_byte_aligned_after_the_values():
+    slot = rows_with_values(TorchSymmetricHeap(None), 7, 5, torch.bfloat16, torch.device("cpu"), return_ids=True)
+    returns_at = slot.return_ids.data_ptr() - slot.local.data_ptr()
+    assert returns_at % 16 == 0 and returns_at >= slot.values.data_ptr() - slot.local.data_ptr() + 4 * 7
+    assert slot.return_ids.shape == (7,) and int(slot.return_table[0]) == slot.return_ids.data_ptr()
+
+
+def test_scratch_of_one_role_is_one_buffer_per_shape():
+    small = shared_scratch("test-role", (4, 8), torch.float32, torch.device("cpu"), None)
+    large = shared_scratch("test-role", (8, 8), torch.float32, torch.device("cpu"), None)
+    assert small.local.shape == (4, 8) and large.local.shape == (8, 8) and small is not large
+    assert shared_scratch("test-role", (4, 8), torch.float32, torch.device("cpu"), None) is small
+
+
+def test_release_all_poisons_what_it_frees():
+    pool = make_pool(2, poison=True)
+    pool.acquire()
+    pool.slots[0].local.fill_(1.0)
+    pool.release_all()
+    assert pool.live == 0 and pool.slots[0].local.isnan().all()
