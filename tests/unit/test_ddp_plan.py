@@ -300,3 +300,31 @@ def test_a_parameter_used_only_in_no_sync_microbatches_keeps_their_sum():
     model(x).square().mean().backward()
     buckets.finish_grad_sync()
     torch.testing.assert_close(model.unused.grad, torch.full((5,), 2.0))
+
+
+def test_a_weight_whose_hook_fires_twice_is_counted_once():
+    """Reentrant checkpointing runs each segment's backward on its own, so a weight used in two
+    segments accumulates twice: its bucket must launch after both, with both contributions."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.first = torch.nn.Linear(4, 4)
+            self.shared = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = checkpoint(self.shared, self.first(x), use_reentrant=True)
+            return checkpoint(self.shared, x, use_reentrant=True)
+
+    model, x = Shared(), torch.randn(3, 4, requires_grad=True)
+    model(x).square().sum().backward()
+    expected = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    buckets = MultiGroupGradBuckets(model, {DENSE: None}, bucket_bytes=None)
+    buckets.zero_grad_buffers()
+    model(x).square().sum().backward()
+    buckets.finish_grad_sync()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], msg=name)
