@@ -114,3 +114,12 @@ def test_release_all_poisons_what_it_frees():
     pool.slots[0].local.fill_(1.0)
     pool.release_all()
     assert pool.live == 0 and pool.slots[0].local.isnan().all()
+
+
+def test_a_one_rank_group_gets_plain_local_memory(monkeypatch):
+    """EP = 1 under a process group of one rank: no symmetric allocation or rendezvous."""
+    from megatron_ext.moe import buffers
+
+    monkeypatch.setattr(buffers.dist, "get_world_size", lambda group=None: 1)
+    buffer = allocate_symmetric((4, 2), torch.float32, torch.device("cpu"), object())
+    assert buffer.handle is None and buffer.peer_table.tolist() == [buffer.local.data_ptr()]
