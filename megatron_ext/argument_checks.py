@@ -140,6 +140,12 @@ def replica_check_conflicts(args) -> list[str]:
     return problems
 
 
+def _offering_megatrons_experts(problem: str) -> str:
+    """The problem with Megatron's experts as a way out, unless its own advice offers them already."""
+    fallback = "--moe-ext-dispatcher megatron"
+    return problem if fallback in problem else f"{problem}; or use {fallback} (Megatron's own experts)"
+
+
 def _expert_conflicts(args) -> list[str]:
     """MoE settings no experts can run (both dispatchers), what the grouped experts cannot serve
     (rowwise only: the megatron dispatcher falls back to Megatron's experts), plus the launcher-only
@@ -148,11 +154,8 @@ def _expert_conflicts(args) -> list[str]:
     problems = [f"--num-experts {args.num_experts}: {problem}" for problem in moe_problems(settings)]
     problems += optimizer_problems(args)
     if args.moe_ext_dispatcher == "rowwise":  # with megatron the layer builds Megatron's own experts instead
-        fallback = "--moe-ext-dispatcher megatron"
         problems += [f"--num-experts {args.num_experts} with megatron_ext's grouped experts (--moe-ext-dispatcher "
-                     f"rowwise): {problem}" + ("" if fallback in problem else f"; or use {fallback} (Megatron's own "
-                                                                               f"experts)")
-                     for problem in expert_problems(settings)]
+                     f"rowwise): {_offering_megatrons_experts(problem)}" for problem in expert_problems(settings)]
     moe_act = "moe_act" in (getattr(args, "recompute_modules", None) or ())
     if getattr(args, "recompute_granularity", None) == "selective" and moe_act and not args.moe_grouped_gemm:
         problems.append(f"--recompute-modules moe_act without --moe-grouped-gemm: Megatron {MEGATRON_VERSION}'s "

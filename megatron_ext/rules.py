@@ -83,12 +83,26 @@ def _spelled(flag: str, value) -> str:
     return flag if value is True else f"{flag} {value}"
 
 
+def _as_list(modules) -> list:
+    return list(modules) if isinstance(modules, (list, tuple)) else [modules]
+
+
 def _whole_layer(modules) -> bool:
     """Megatron's cuda_graph_modules asking for the whole transformer layer (its default)."""
     if modules is None or modules == "full":
         return True
-    values = [getattr(m, "value", m) for m in (modules if isinstance(modules, (list, tuple)) else [modules])]
-    return all(v == "full" for v in values)
+    return all(getattr(m, "value", m) == "full" for m in _as_list(modules))
+
+
+def _graph_modules(settings) -> tuple[str, object]:
+    """(the flag the user gave, its modules): --cuda-graph-modules, or the deprecated --cuda-graph-scope
+    (the launcher's dest for it, or Megatron's config field)."""
+    for flag, field in (("--cuda-graph-modules", "cuda_graph_modules"),
+                        ("--cuda-graph-scope", "cuda_graph_scope_deprecated"),
+                        ("--cuda-graph-scope", "cuda_graph_scope")):
+        if getattr(settings, field, None):
+            return flag, getattr(settings, field)
+    return "--cuda-graph-modules", None
 
 
 def _megatron_graph_flag(settings) -> str | None:
@@ -211,13 +225,9 @@ def megatron_graph_problems(settings) -> list[str]:
         runner = graph_impl if graph_impl not in (None, "none") else "transformer_engine"
         return [f"{graph_flag}: Megatron's {runner} CUDA-graph runner is not verified with the "
                 f"rowwise layer; use --cuda-graph-impl local (whole layers), or {instead}"]
-    modules_flag, modules = next(((flag, getattr(settings, field)) for flag, field in (
-        ("--cuda-graph-modules", "cuda_graph_modules"), ("--cuda-graph-scope", "cuda_graph_scope_deprecated"),
-        ("--cuda-graph-scope", "cuda_graph_scope"))  # the launcher's dest for the deprecated flag
-        if getattr(settings, field, None)), ("--cuda-graph-modules", None))
+    modules_flag, modules = _graph_modules(settings)
     if not _whole_layer(modules):
-        names = " ".join(getattr(m, "name", str(m)) for m in (modules if isinstance(modules, (list, tuple))
-                                                               else [modules]))
+        names = " ".join(getattr(m, "name", str(m)) for m in _as_list(modules))
         return [f"{graph_flag} with {modules_flag} {names}: Megatron's partial-layer MoE captures assume "
                 f"its own dispatchers; leave {modules_flag} out (whole layers), or {instead}"]
     pipeline = getattr(settings, "pipeline_model_parallel_size", 1) or 1

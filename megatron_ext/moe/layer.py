@@ -107,8 +107,10 @@ class RowwiseMoELayer(MoELayer):
         counted = not recomputing()  # Megatron's full-layer recompute runs this forward again
         sinks = self._metric_sinks(hidden_states.device) if counted else None
         if sinks is not None and in_megatron_graph_warmup():  # not a training step (moe/metric_sinks.py)
-            counted, scratch = False, self._warm_up_sinks.get(self.training)
-            sinks = self._warm_up_sinks[self.training] = scratch or sinks.scratch()
+            counted = False
+            if self.training not in self._warm_up_sinks:
+                self._warm_up_sinks[self.training] = sinks.scratch()
+            sinks = self._warm_up_sinks[self.training]
         self.token_dispatcher.metric_sinks = sinks
         output = super().forward(hidden_states, intermediate_tensors, padding_mask)
         if self._host_core is not None:
