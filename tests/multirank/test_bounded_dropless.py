@@ -161,3 +161,42 @@ def test_megatrons_graph_warm_up_steps_are_not_counted():
     training steps (a false CapacityExceeded from the warm-up's routes)."""
     for counted_in_warm_up, steps, same in run_on_ranks(_megatron_graph_warm_up_rank, 2, sizes=ParallelSizes(ep=2)):
         assert counted_in_warm_up is None and steps == 1 and same
+
+
+def _evaluation_rank(rank, world):
+    """An evaluation forward (autograd on, as Megatron's evaluate may leave it) overflowing under
+    on_overflow='error': it is checked as a training step is, and counted in no training metric."""
+    layer = _layer(world, capacity_factor=0.5, on_overflow="error")
+    x, _ = rank_tokens(rank, TOKENS, HIDDEN)
+    layer.eval()
+    layer(x.view(TOKENS, 1, HIDDEN).requires_grad_(True))
+    try:
+        layer.check_overflow()
+        error = None
+    except CapacityExceeded as raised:
+        error = str(raised)
+    return error, layer.read_metrics()
+
+
+def test_an_evaluation_forward_that_overflows_is_an_error_too():
+    for error, metrics in run_on_ranks(_evaluation_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert error is not None and "route(s) overflowed" in error, error
+        assert metrics is None  # no training step counted
+
+
+def _two_reads_rank(rank, world):
+    """Two training steps with a read between: each read covers the steps since the one before."""
+    layer = _layer(world, capacity_factor=0.5)
+    x, g = rank_tokens(rank, TOKENS, HIDDEN)
+    _step(layer, x, g)
+    first = layer.read_metrics()
+    _step(layer, x, g)
+    return first, layer.read_metrics(), layer.read_metrics()
+
+
+def test_reading_the_metrics_starts_the_next_interval():
+    for first, second, third in run_on_ranks(_two_reads_rank, 2, sizes=ParallelSizes(ep=2)):
+        assert first["steps"] == second["steps"] == 1 and first["dropped_routes"] > 0
+        assert second["dropped_routes"] == first["dropped_routes"]  # the same step again, not the sum of two
+        assert second["kept_per_expert"] == first["kept_per_expert"]
+        assert third is None  # nothing since the last read

@@ -242,29 +242,37 @@ def test_experts_the_arena_cannot_hold_are_refused_at_construction():
         assert "moe_apply_probs_on_input" in messages[1]
 
 
-def _frozen_first_router_rank(rank, world):
-    """Layer 0's router frozen and an input without gradients (expert-only training): autograd would
-    skip layer 0's dispatch backward, which frees the microbatch's arena slot. Two steps train the
-    experts as dropless=True does, and the slot is free after each."""
+def _frozen_first_layer_rank(rank, world, router_frozen):
+    """An input without gradients, layer 0's router frozen or training. Frozen (expert-only
+    training): autograd would skip layer 0's dispatch backward, which frees the microbatch's arena
+    slot. Training: the router's gradient comes through the probabilities, which must not be cut off
+    from it. Two steps train as dropless=True does, and the slot is free after each."""
     x, g = rank_tokens(rank, TOKENS, HIDDEN)
     got, busy = [], []
     for ext in (dict(dropless_arena=True, capacity_factor=1.5), dict(dropless=True)):
         layers = _stack(world, 0.0, **ext)
         arena = attach_arenas(layers)
         for param in layers[0].router.parameters():
-            param.requires_grad_(False)
+            param.requires_grad_(not router_frozen)
         for _ in range(2):
             out = stack_forward(layers, x.view(TOKENS, 1, HIDDEN))
             out.backward(g.view(TOKENS, 1, HIDDEN))
             busy += [slot.busy for a in arena for slot in a.slots]
-        got.append([p.grad.clone() for p in layers.parameters() if p.requires_grad])
-    return all(torch.equal(a, b) for a, b in zip(*got)), busy
+        got.append([p.grad for p in layers.parameters() if p.requires_grad])
+    grads_equal = all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(*got))
+    first_router_grad = [p.grad for p in layers[0].router.parameters()]
+    return grads_equal, busy, first_router_grad
 
 
-def test_a_first_layer_whose_input_and_router_are_frozen_still_frees_its_slot():
-    for equal, busy in run_on_ranks(_frozen_first_router_rank, 2, sizes=ParallelSizes(ep=2)):
-        assert equal, "expert and later layers' gradients differ from dropless=True"
+@pytest.mark.parametrize("router_frozen", [True, False], ids=["router_frozen", "router_training"])
+def test_a_first_layer_whose_input_is_frozen_trains_and_frees_its_slot(router_frozen):
+    for equal, busy, first_router_grad in run_on_ranks(_frozen_first_layer_rank, 2, router_frozen,
+                                                       sizes=ParallelSizes(ep=2)):
+        assert equal, "a gradient differs from dropless=True's (or is missing)"
         assert busy == [False, False], "the first layer's dispatch backward did not free the microbatch's slot"
+        if not router_frozen:
+            assert all(grad is not None and grad.abs().sum() > 0 for grad in first_router_grad), \
+                "layer 0's router got no gradient through its probabilities"
 
 
 def test_a_layer_before_the_last_is_held_to_its_view():

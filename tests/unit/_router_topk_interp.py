@@ -284,11 +284,14 @@ def check_router_module() -> None:
 
     init_single_rank_megatron()
     gen = torch.Generator().manual_seed(23)
-    for dtype, router_dtype, pre_softmax in ((torch.float32, None, False), (torch.bfloat16, "fp32", False),
-                                             (torch.float32, None, True)):
-        case = f"router module {dtype} router dtype {router_dtype} pre_softmax={pre_softmax}"
+    for dtype, router_dtype, pre_softmax, scale in ((torch.float32, None, False, None),
+                                                    (torch.bfloat16, "fp32", False, None),
+                                                    (torch.float32, None, True, None),
+                                                    (torch.float32, None, False, 2.5)):
+        case = f"router module {dtype} router dtype {router_dtype} pre_softmax={pre_softmax} topk scale {scale}"
         config = moe_config(hidden=48, experts=16, topk=4, dtype=dtype, moe_router_load_balancing_type="aux_loss",
-                            moe_aux_loss_coeff=0.01, moe_router_dtype=router_dtype, moe_router_pre_softmax=pre_softmax)
+                            moe_aux_loss_coeff=0.01, moe_router_dtype=router_dtype, moe_router_pre_softmax=pre_softmax,
+                            moe_router_topk_scaling_factor=scale)
         routers = [cls(config=config, pg_collection=get_default_pg_collection()) for cls in (TopKRouter,
                                                                                              FusedTopKRouter)]
         with torch.no_grad():
@@ -323,6 +326,11 @@ def check_router_module() -> None:
             assert_close(got, want, 1e-5 if dtype == torch.float32 else 2e-2, f"{case}: {name} gradient")
         cpu_probs, cpu_map = routers[1](tokens)  # CPU tensors: Megatron's path, its [T, E] outputs
         assert cpu_probs.shape == (30, 16) and torch.equal(cpu_map, map_ref), f"{case}: CPU path"
+        routers[1].eval()  # evaluation with autograd on (Megatron's router attaches no loss then)
+        tracker.clear()
+        eval_probs, _ = routers[1].fused_forward(tokens.clone().requires_grad_(True))
+        assert torch.equal(eval_probs.detach().float(), probs_got.gather(1, ids)), f"{case}: eval probabilities"
+        assert tracker.metrics["load_balancing_loss"].values.abs().sum() == 0, f"{case}: eval logged an aux loss"
         print(f"ok {case}")
 
 

@@ -14,7 +14,7 @@ from tests.unit.interpreter import run_under_interpreter
 def test_fused_router_kernels_equal_megatrons_routing_under_interpreter():
     stdout = run_under_interpreter("_router_topk_interp.py")
     assert "all fused-router checks passed" in stdout
-    assert sum(line.startswith("ok ") for line in stdout.splitlines()) == 22  # every case ran
+    assert sum(line.startswith("ok ") for line in stdout.splitlines()) == 23  # every case ran
 
 
 def _router_of(builder: functools.partial):
@@ -26,6 +26,23 @@ def test_rowwise_layers_get_the_fused_router_unless_turned_off():
     assert _router_of(specs.moe_builder(MoEExtConfig(fused_router=False))) is TopKRouter
     assert _router_of(specs.moe_builder(MoEExtConfig(fused_route_map=False))) is TopKRouter  # it feeds that
     assert _router_of(specs.moe_builder(MoEExtConfig(dispatcher="megatron"))) is TopKRouter  # [T, E] consumers
+
+
+def _router_gemms_rank(rank, world):
+    from megatron_ext.testing.megatron_moe import moe_config
+
+    built = {}
+    for setting in ("triton", "cublas"):
+        layer = specs.moe_builder(MoEExtConfig(transport="torch", router_gemms=setting))(config=moe_config(experts=4))
+        built[setting] = (type(layer.router).__name__, layer.router.gemms_in_kernel)
+    return built
+
+
+def test_the_router_gemms_setting_reaches_the_fused_router():
+    from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+    [built] = run_on_ranks(_router_gemms_rank, 1, sizes=ParallelSizes())
+    assert built == {"triton": ("FusedTopKRouter", True), "cublas": ("FusedTopKRouter", False)}
 
 
 def test_a_users_own_router_class_is_kept():

@@ -97,6 +97,45 @@ def test_watchdog_does_not_charge_a_barrier_for_the_ones_queued_before_it(monkey
     assert watchdog.overdue() == "barrier 2"  # now it has waited longer than the timeout itself
 
 
+def test_watchdog_drops_every_barrier_that_completed_since_the_last_poll(monkeypatch):
+    """Barriers completing between two polls are all dropped: the oldest pending one is what counts."""
+    from megatron_ext.moe import peer_failure
+
+    clock = [1000.0]
+    monkeypatch.setattr(peer_failure, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    watchdog = BarrierWatchdog(timeout_s=0.2, group=None)
+    watchdog._pending.extend([(f"barrier {i}", _Event(i < 2), clock[0]) for i in range(3)])
+    assert watchdog.overdue() is None
+    assert [phase for phase, _, _ in watchdog._pending] == ["barrier 2"]
+
+
+def test_peer_timeout_follows_megatrons_distributed_timeout(monkeypatch):
+    """Unset, the peer timeout is Megatron's --distributed-timeout-minutes (in seconds), else torch's
+    default process-group timeout; a configured value wins."""
+    import torch.distributed as dist
+    from megatron.training import global_vars
+
+    from megatron_ext.moe.peer_failure import peer_timeout_seconds
+
+    monkeypatch.setattr(global_vars, "get_args", lambda: types.SimpleNamespace(distributed_timeout_minutes=7))
+    assert peer_timeout_seconds() == 420.0
+    assert peer_timeout_seconds(12.5) == 12.5
+
+    def uninitialised():
+        raise AssertionError("args is not initialized")
+
+    monkeypatch.setattr(global_vars, "get_args", uninitialised)
+    assert peer_timeout_seconds() == dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
+def test_the_kernels_barrier_bound_is_twice_the_watchdogs():
+    """The device barrier's own trap fires after the watchdog, whose message names phase and group."""
+    from megatron_ext.moe.transport.symm import SymmRowTransport
+
+    assert SymmRowTransport(None, 8, timeout_s=1.5).timeout_ms == 3000
+    assert SymmRowTransport(None, 8).timeout_ms == 0  # unbounded
+
+
 def test_capture_failure_on_the_legacy_stream_says_how_to_build_ddp():
     """A capture failing on gradient accumulators made on the legacy stream names the fix."""
     from megatron_ext.cuda_graphs.capture import _hint
