@@ -98,3 +98,30 @@ def _decode_padding_rank(rank, world):
 
 def test_decode_padding_is_refused_at_build_and_when_switched_on_later():
     run_on_ranks(_decode_padding_rank, 1, sizes=ParallelSizes())
+
+
+def _host_names_rank(rank, world, same_host):
+    import torch.distributed as dist
+
+    from megatron_ext.moe import transport
+
+    transport.socket.gethostname = lambda: "node0" if same_host else f"node{rank}"
+    group = dist.group.WORLD
+    one_host = transport.group_in_one_host(group)
+    auto = transport.resolve_transport("auto", group, torch.device("cuda"))
+    try:
+        transport.resolve_transport("symm", group, torch.device("cuda"))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return one_host, auto, refused
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["one_host", "two_hosts"])
+def test_symm_is_chosen_only_for_a_group_inside_one_host(same_host):
+    """Host names are exchanged once: ranks on two hosts get the torch transport under 'auto', and an
+    explicit symm transport is refused there (its kernels write peers' memory over NVLink)."""
+    for one_host, auto, refused in run_on_ranks(_host_names_rank, 2, same_host):
+        assert one_host is same_host
+        assert auto == ("symm" if same_host else "torch")
+        assert (refused is None) if same_host else ("this group spans hosts" in refused)

@@ -48,6 +48,8 @@ STACK_CASES = {
                         dict(mxfp8_dispatch=True, capacity_factor=1.0), 2, "F0 B0", 3, 0.25, 0),
     "ep4_put_return_cf1.0": (4, dict(capacity_factor=1.0, return_transfer="put", lease_slots=2),
                              dict(capacity_factor=1.0), 2, "F0 F1 B0 B1", 2, 0.25, 3),
+    "ep2_arena_put_return": (2, dict(dropless_arena=True, capacity_factor=1.5, arena_region_factor=0.75,
+                                     return_transfer="put"), dict(dropless=True), 2, "F0 B0", 2, 0.25, 1),
 }
 TOKENS, HIDDEN, FFN, EXPERTS, TOPK = 16, 32, 16, 8, 2
 

@@ -129,6 +129,10 @@ def rank_main(rank, world, cf, slots, schedule, poison, delay, steps, seed, fuse
                 wait()
                 # "experts": 2 * p * row on the valid rows; the tail (NaN with poison) passes unread
                 out = transport.combine(torch.where(valid, 2 * slot_probs[:, None] * slot, slot), rmap)
+                if poison and not return_put:  # the GET source's unread tail: NaN, so a stray read would show
+                    source_tail = transport._scratch("combine_source", slot).local[int(rmap.recv_offsets[-1]):]
+                    if not source_tail.isnan().all():
+                        failures.append(f"rank {rank} step {step} mb {mb}: combine source tail not poisoned")
                 live[mb] = (rmap, lease, slot, slot_probs, valid, at_dispatch, out.clone())
             else:
                 rmap, lease, slot, slot_probs, valid, at_dispatch, out = live.pop(mb)

@@ -3,6 +3,8 @@ and where the specs install it."""
 
 import functools
 
+import torch
+
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext import specs
@@ -99,3 +101,26 @@ def test_each_setting_the_kernel_does_not_compute_runs_megatrons_routing():
     (found,) = run_on_ranks(_unfused_rank, 1, sizes=ParallelSizes())
     for (overrides, reason), unfused in zip(NOT_FUSED, found):
         assert reason in unfused, f"{overrides}: fused anyway (unfused={unfused})"
+
+
+def test_the_hi_lo_gating_gradients_round_as_fp32_gemms_would():
+    """The cuBLAS backward (router_gemms='cublas', or more than 256 experts) takes the logits'
+    gradient as bf16 [hi | lo]; both halves must count: the token and weight gradients then equal
+    the exact products rounded once to bf16 except at rounding ties (hi alone: ~40% of them differ)."""
+    from megatron_ext.moe.fused_router import _split_gating_grads
+
+    gen = torch.Generator().manual_seed(0)
+    grad_logits = torch.randn(512, 16, generator=gen)
+    tokens = torch.randn(512, 64, generator=gen).bfloat16()
+    weight = torch.randn(16, 64, generator=gen).bfloat16()
+    hi = grad_logits.bfloat16()
+    lo = (grad_logits - hi.float()).bfloat16()
+    grad_tokens, grad_weight = _split_gating_grads(torch.cat([hi, lo], 1), tokens, weight)
+    exact = grad_logits.double()
+    for name, got, want, scale in (("token", grad_tokens, exact @ weight.double(), exact.abs() @ weight.double().abs()),
+                                   ("weight", grad_weight, exact.t() @ tokens.double(),
+                                    exact.abs().t() @ tokens.double().abs())):
+        assert got.dtype == torch.bfloat16 and (got != want.bfloat16()).float().mean() < 0.02, name
+        # one bf16 step of the result, plus hi + lo's own error (2^-16 of each product): hi alone is 2^-9
+        bound = torch.finfo(torch.bfloat16).eps * want.abs() + 2.0 ** -14 * scale
+        assert ((got.double() - want).abs() <= bound).all(), f"{name} gradient more than one bf16 step off"

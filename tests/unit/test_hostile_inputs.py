@@ -50,3 +50,17 @@ def test_torch_transport_masks_a_corrupted_route_map():
     for got, want in zip(transport.dispatch_backward(expert_out, grad_row_probs, bad),
                          transport.dispatch_backward(expert_out, grad_row_probs, clean)):
         assert torch.equal(got, want)
+
+
+def test_a_route_is_in_range_only_inside_every_ranks_buffer():
+    """Row C of rank r would be row 0 of rank r+1 in a flat view of the buffers: out of range, as are
+    rank M and negative entries; the last row of the last rank is in range."""
+    from types import SimpleNamespace
+
+    from megatron_ext.moe.transport.base import routes_in_range
+
+    ranks, capacity = 2, 8
+    dest_rank = torch.tensor([[0, 1, 1, 2, -1, 0]])
+    dest_row = torch.tensor([[7, 7, 8, 0, 0, -1]])
+    kept = routes_in_range(SimpleNamespace(dest_rank=dest_rank, dest_row=dest_row), ranks, capacity)
+    assert kept.tolist() == [[True, True, False, False, False, False]]

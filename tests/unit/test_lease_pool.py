@@ -106,6 +106,21 @@ def test_scratch_of_one_role_is_one_buffer_per_shape():
     large = shared_scratch("test-role", (8, 8), torch.float32, torch.device("cpu"), None)
     assert small.local.shape == (4, 8) and large.local.shape == (8, 8) and small is not large
     assert shared_scratch("test-role", (4, 8), torch.float32, torch.device("cpu"), None) is small
+    half = shared_scratch("test-role", (4, 8), torch.bfloat16, torch.device("cpu"), None)
+    assert half is not small and half.local.dtype == torch.bfloat16  # same bytes per row would not do
+
+
+def test_a_symm_layers_rows_keep_their_width_and_dtype():
+    """The dispatch slots are allocated at the first dispatch; rows of the same width in another
+    dtype would reinterpret the slots' bits, so they are refused like another width."""
+    from megatron_ext.moe.transport.symm import SymmRowTransport
+
+    transport = SymmRowTransport(None, 8)
+    transport._ensure_buffers(16, torch.float32, torch.device("cpu"))
+    transport._ensure_buffers(16, torch.float32, torch.device("cpu"))  # the same rows again: kept
+    for width, dtype in ((16, torch.bfloat16), (32, torch.float32)):
+        with pytest.raises(ValueError, match="row size and dtype must stay fixed"):
+            transport._ensure_buffers(width, dtype, torch.device("cpu"))
 
 
 def test_release_all_poisons_what_it_frees():

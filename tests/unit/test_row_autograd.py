@@ -104,3 +104,15 @@ def test_a_dispatch_that_needs_no_gradient_still_releases_its_lease():
     assert live == [0, 0] and equal, (live, equal)
     (live, _), = run_on_ranks(_frozen_router_rank, 1, False, sizes=ParallelSizes())
     assert live == [0, 1], "the mutation is not caught"
+
+
+def test_a_tokens_routes_are_summed_in_fp32_and_rounded_once():
+    """combine and the dispatch backward sum a token's K route rows in fp32 (docs/design.md): in bf16
+    step by step, 1 + 2^-8 + 2^-8 stays 1 (each addition a tie rounded to even); in fp32 it is 1 + 2^-7."""
+    from megatron_ext.moe.transport.base import sum_routes
+
+    rows = torch.tensor([[[1.0], [2.0 ** -8], [2.0 ** -8]]], dtype=torch.bfloat16)
+    summed = sum_routes(rows)
+    assert summed.dtype == torch.bfloat16 and summed.item() == 1 + 2.0 ** -7
+    stepwise = rows[:, 0] + rows[:, 1] + rows[:, 2]
+    assert stepwise.item() == 1.0  # what the contract rules out

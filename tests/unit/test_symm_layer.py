@@ -5,9 +5,9 @@ layer runs as in training, each rank a process with its own Megatron state, its 
 into the peers' buffers in a shared-memory pool: one step against the dense oracle (drops,
 debug poison, PUT return, uneven tokens), and stacks of layers over several steps bitwise equal
 to the torch transport with a late rank (two live microbatches, the dropless arena spilling,
-MXFP8 payloads, PUT return at EP=4); and Megatron's GPTModel trains over it with the same losses,
-bitwise, and no host read in its MoE layers. Dropping any phase barrier, or the poison fill's barrier,
-must make the results differ.
+MXFP8 payloads, PUT return at EP=4 and into the arena at EP=2); and Megatron's GPTModel trains
+over it with the same losses, bitwise, and no host read in its MoE layers. Dropping any phase
+barrier, or the poison fill's barrier, must make the results differ.
 """
 
 import pytest
@@ -19,7 +19,7 @@ from tests.unit.symm_mutations import PHASES
 def test_layer_over_symm_transport_on_forked_ranks():
     returncode, out = run_shards("_symm_layer_interp.py")
     assert returncode == 0 and "FAIL" not in out, out
-    assert out.count("\nok ") + out.startswith("ok ") == 10, out
+    assert out.count("\nok ") + out.startswith("ok ") == 11, out
 
 
 def test_each_barrier_is_needed_in_the_layer():
