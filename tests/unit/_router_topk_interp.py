@@ -4,7 +4,8 @@ probabilities, counts, load-balancing loss and token and weight gradients, with 
 pre-softmax, a scaling factor, top-1, expert counts that are not powers of two, token counts that
 are not multiples of a block, bf16 logits, and a token whose logits hold a NaN or are all -inf
 (counted as non-finite, as Megatron's routing would give NaN); ties at the top-k boundary go to the
-lowest expert id; and the FusedTopKRouter module's fused path against Megatron's TopKRouter.
+lowest expert id; and the FusedTopKRouter module's fused path against Megatron's TopKRouter, on one
+rank and on two tensor-parallel ranks (the loss's counts summed over tp_cp).
 
     TRITON_INTERPRET=1 python tests/unit/_router_topk_interp.py
 """
@@ -334,6 +335,65 @@ def check_router_module() -> None:
         print(f"ok {case}")
 
 
+def _router_module_tp_rank(rank, world):
+    """One tensor-parallel rank: Megatron's TopKRouter and FusedTopKRouter on the same weights and this
+    rank's tokens (as under sequence parallelism: each rank routes its own). The load-balancing loss
+    sums the counts over the tp_cp group and divides by every rank's tokens; the route map must still
+    plan from this rank's own counts."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_ext.moe.fused_router import FusedTopKRouter
+    from megatron_ext.testing.megatron_moe import moe_config
+
+    config = moe_config(hidden=48, experts=16, topk=4, tp=2, moe_router_load_balancing_type="aux_loss",
+                        moe_aux_loss_coeff=0.01)
+    routers = [cls(config=config, pg_collection=get_default_pg_collection()) for cls in (TopKRouter, FusedTopKRouter)]
+    with torch.no_grad():
+        routers[0].weight.copy_(torch.randn(16, 48, generator=torch.Generator().manual_seed(5)))
+        routers[1].weight.copy_(routers[0].weight)
+    tokens = torch.randn(24, 48, generator=torch.Generator().manual_seed(40 + rank))
+    d_probs = torch.randn(24, 16, generator=torch.Generator().manual_seed(60 + rank))
+    results = []
+    for router, fused_path in zip(routers, (False, True)):
+        router.set_layer_number(1)
+        router.train()
+        tracker = get_moe_metrics_tracker()
+        tracker.clear()
+        leaf = tokens.clone().requires_grad_(True)
+        if fused_path:
+            probs, selection = router.fused_forward(leaf)
+            ids = selection.top_idx.long()
+            routing_map = selection.routing_map.bool()
+            own_counts = torch.equal(selection.counts.long(), routing_map.long().sum(0))
+            full = torch.zeros(24, 16).scatter(1, ids, probs.detach().float())
+            (probs * d_probs.gather(1, ids)).sum().backward()
+        else:
+            full, routing_map = router(leaf)
+            (full.float() * d_probs).sum().backward()
+        loss = tracker.metrics["load_balancing_loss"].values.clone()
+        results.append((routing_map, full.detach(), loss, leaf.grad, router.weight.grad))
+    (map_ref, probs_ref, loss_ref, *grads_ref), (map_got, probs_got, loss_got, *grads_got) = results
+    problems = [name for name, ok in (
+        ("routes", torch.equal(map_got, map_ref)),
+        ("probabilities", torch.allclose(probs_got, probs_ref, rtol=1e-6, atol=1e-7)),
+        ("logged loss", torch.allclose(loss_got, loss_ref, rtol=1e-5, atol=0)),
+        # fp32 sums in another order: within 1e-5 of the gradient's largest entry (testing.reference.assert_close)
+        ("token gradient", (grads_got[0] - grads_ref[0]).abs().max() <= 1e-5 * grads_ref[0].abs().max()),
+        ("weight gradient", (grads_got[1] - grads_ref[1]).abs().max() <= 1e-5 * grads_ref[1].abs().max()),
+        ("the route map's counts are this rank's own", own_counts)) if not ok]
+    return problems
+
+
+def check_router_module_tensor_parallel() -> None:
+    from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
+
+    for rank, problems in enumerate(run_on_ranks(_router_module_tp_rank, 2, sizes=ParallelSizes(tp=2))):
+        assert not problems, f"router module at TP=2, rank {rank}: {', '.join(problems)}"
+    print("ok router module at TP=2 (counts summed over tp_cp, the route map's own)")
+
+
 def check_ties() -> None:
     """Equal logits at the top-k boundary: the lowest expert id wins (torch.topk leaves the order
     of ties unspecified; on bf16 logits they happen)."""
@@ -371,6 +431,7 @@ def main() -> int:
     check_gate_in_kernel()
     check_strided_tokens()
     check_token_with_all_logits_minus_inf()
+    check_router_module_tensor_parallel()  # forks its ranks: before this process starts its own group
     check_router_module()
     check_ties()
     print("all fused-router checks passed")
