@@ -182,3 +182,25 @@ def test_a_double_backward_through_the_recompute_node_is_refused_not_given_wrong
     (grad_h,) = torch.autograd.grad(out, h, grad_out, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad_h.sum().backward()
+
+
+def test_the_recompute_node_gives_the_probabilities_their_gradient_alone():
+    """fc1's output frozen (its input and fc1 need no gradient) and the probabilities training: their
+    gradient equals the one through the kept activation."""
+    from megatron_ext.moe.expert_recompute import activation_then_fc2
+
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(ROWS, 8, generator=gen)
+    probs = torch.rand(ROWS, generator=gen)
+    fc2 = torch.randn(len(COUNTS), 4, 8, generator=gen)
+    offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32)
+    grad_out = torch.randn(ROWS, 4, generator=gen)
+
+    def activation(x, valid, p):
+        return torch.nn.functional.gelu(x) * p[:, None]
+
+    got = probs.clone().requires_grad_(True)
+    activation_then_fc2(activation, h, offsets[-1], got, fc2, offsets).backward(grad_out)
+    want = probs.clone().requires_grad_(True)
+    torch._grouped_mm(activation(h, None, want), fc2.transpose(1, 2), offs=offsets).backward(grad_out)
+    torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6)

@@ -118,14 +118,31 @@ def test_bad_inputs_are_clear_errors():
     run_on_ranks(_errors_rank, 1, sizes=ParallelSizes())
 
 
-def _param_attrs_rank(rank, world):
-    module = DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2 * world, ep=world))
+def _param_attrs_rank(rank, world, bias=False):
+    module = DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2 * world, ep=world,
+                                                  add_bias_linear=bias))
     return [p.allreduce for p in module.parameters()]
 
 
 def test_expert_params_marked_for_expert_ddp_buffers():
     assert run_on_ranks(_param_attrs_rank, 1, sizes=ParallelSizes()) == [[True, True]]
     assert run_on_ranks(_param_attrs_rank, 2, sizes=ParallelSizes(ep=2)) == [[False, False]] * 2
+    # biases too: each EP rank's biases belong to its own experts, reduced over expert-DP only
+    assert run_on_ranks(_param_attrs_rank, 2, True, sizes=ParallelSizes(ep=2)) == [[False] * 4] * 2
+
+
+def _bias_init_rank(rank, world):
+    module = DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, add_bias_linear=True))
+    biases = [module.fc1_bias, module.fc2_bias]
+    for bias in biases:
+        bias.data.fill_(float("nan"))  # what uninitialized memory may hold
+    module._init_weights(None)
+    return [bool((bias == 0).all()) for bias in biases]
+
+
+def test_expert_biases_start_at_zero():
+    """As Megatron's SequentialMLP (its linear layers zero their biases; no draw)."""
+    assert run_on_ranks(_bias_init_rank, 1, sizes=ParallelSizes()) == [[True, True]]
 
 
 def _checkpoint_rank(rank, world, ckpt_dir, direction):

@@ -78,6 +78,20 @@ def test_frozen_fc1_still_passes_gradient_to_the_input():
     torch.testing.assert_close(x_leaf.grad[:VALID].double(), x_ref.grad[:VALID], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_only_the_probabilities_train(recompute):
+    """Input and fc1 frozen (the router trains through the probabilities, e.g. experts frozen below
+    a trained router): the probabilities still get their gradient."""
+    x, fc1, fc2, probs, grad_out, counts = _inputs()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    probs_leaf = probs.clone().requires_grad_(True)
+    swiglu_grouped_mlp(x, fc1, fc2, offsets, probs_leaf, recompute_activation=recompute).backward(grad_out)
+    probs_ref = probs.double().requires_grad_(True)
+    _oracle(x, fc1, fc2, probs_ref, counts).backward(grad_out[:VALID].double())
+    assert probs_leaf.grad is not None, "no gradient for the probabilities"
+    torch.testing.assert_close(probs_leaf.grad[:VALID].double(), probs_ref.grad[:VALID], rtol=1e-5, atol=1e-6)
+
+
 def test_reference_helper_agrees_with_the_oracle():
     """The oracle above and testing.reference.swiglu_expert are the same formula."""
     x, fc1, fc2, _, _, _ = _inputs()
@@ -172,3 +186,21 @@ def test_fc1_as_two_grouped_gemms_equals_one(ends, region):
     both = torch.cat([below, past])[:valid]
     assert torch.equal(both, torch._grouped_mm(x, weight, offs=offsets)[:valid])
     torch.testing.assert_close(both.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_only_plain_swiglu_takes_the_swiglu_kernel():
+    """The kernel computes silu(gate) * up: a clamp (GPT-OSS style) or a linear offset must take the
+    torch formula, which the activation then equals."""
+    import torch.nn.functional as F
+
+    from megatron_ext.moe.expert_activation import ExpertActivation
+
+    assert ExpertActivation(F.silu, gated=True).plain_swiglu
+    for other in (ExpertActivation(F.silu, gated=True, clamp=0.5), ExpertActivation(F.silu, gated=True, offset=1.0),
+                  ExpertActivation(F.silu, gated=False), ExpertActivation(F.gelu, gated=True)):
+        assert not other.plain_swiglu, other
+    h = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    gate, up = h.chunk(2, -1)
+    clamped = ExpertActivation(F.silu, gated=True, clamp=0.5, offset=1.0)
+    want = F.silu(gate.clamp(max=0.5)) * (up.clamp(-0.5, 0.5) + 1.0)
+    torch.testing.assert_close(clamped(h, torch.tensor(6)), want, rtol=1e-6, atol=1e-6)
