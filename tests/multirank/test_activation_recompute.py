@@ -203,4 +203,5 @@ def test_the_recompute_node_gives_the_probabilities_their_gradient_alone():
     activation_then_fc2(activation, h, offsets[-1], got, fc2, offsets).backward(grad_out)
     want = probs.clone().requires_grad_(True)
     torch._grouped_mm(activation(h, None, want), fc2.transpose(1, 2), offs=offsets).backward(grad_out)
-    torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6)
+    # rows past the last offset belong to no expert: torch._grouped_mm leaves their gradient unspecified
+    torch.testing.assert_close(got.grad[:VALID], want.grad[:VALID], rtol=1e-6, atol=1e-6)
