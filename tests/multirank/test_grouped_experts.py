@@ -102,6 +102,13 @@ def _errors_rank(rank, world):
     checked = DeviceOffsetGroupedMLP(2, config, debug_checks=True)
     with pytest.raises(ValueError, match="non-decreasing"):
         checked.forward_offsets(x, torch.tensor([5, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"<= rows \(8\)"):
+        checked.forward_offsets(x, torch.tensor([3, 9], dtype=torch.int32))
+    # the checks' edges are valid: an empty expert (a zero step) and every row taken (end == rows)
+    checked.load_state_dict(module.state_dict())
+    for offsets in ([0, 8], [8, 8], [3, 8]):
+        torch.testing.assert_close(checked.forward_offsets(x, torch.tensor(offsets, dtype=torch.int32)),
+                                   module.forward_offsets(x, torch.tensor(offsets, dtype=torch.int32)))
     with pytest.raises(ValueError, match="expert-tensor-parallel-size 1"):
         DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2, etp=2, tp=1))
     with pytest.raises(ValueError, match=r"moe_mlp_glu_interleave_size=32 \(--moe-mlp-glu-interleave-size 32\)"):

@@ -204,3 +204,22 @@ def test_only_plain_swiglu_takes_the_swiglu_kernel():
     clamped = ExpertActivation(F.silu, gated=True, clamp=0.5, offset=1.0)
     want = F.silu(gate.clamp(max=0.5)) * (up.clamp(-0.5, 0.5) + 1.0)
     torch.testing.assert_close(clamped(h, torch.tensor(6)), want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_swiglu_tail_is_zero_on_cpu_whatever_it_held():
+    """Rows at or past valid_rows (a capacity tail, NaN under debug poison) come out zero on CPU, and
+    so does their gradient, as the docstring of kernels/swiglu.swiglu_valid_prefix says."""
+    from megatron_ext.kernels.swiglu import swiglu_valid_prefix
+
+    h = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    h[4:] = float("nan")
+    h.requires_grad_(True)
+    probs = torch.rand(6, generator=torch.Generator().manual_seed(2))
+    act = swiglu_valid_prefix(h, torch.tensor(4, dtype=torch.int32), probs)
+    gate, up = h.detach()[:4].chunk(2, -1)
+    torch.testing.assert_close(act[:4], torch.nn.functional.silu(gate) * up * probs[:4, None])
+    assert torch.equal(act[4:], torch.zeros(2, 4))
+    grad_out = torch.ones(6, 4)
+    grad_out[4:] = float("nan")  # what the tail's downstream gradient may hold
+    act.backward(grad_out)
+    assert torch.equal(h.grad[4:], torch.zeros(2, 8)) and not h.grad[:4].isnan().any()

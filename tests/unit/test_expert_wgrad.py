@@ -167,6 +167,25 @@ def test_main_grad_of_another_shape_is_not_written():
     torch.testing.assert_close(grad[1], left[2:].t() @ right[2:])
 
 
+def test_only_a_main_grad_the_kernel_can_add_to_is_fused():
+    """The kernel adds in place to a contiguous fp32 or bf16 main_grad of the weight's shape; anything
+    else (a flat shard, a strided view, fp16) is left to DDP's own add. (The test above cannot reach
+    this check on CPU: fp32 rows never fuse.)"""
+    from megatron_ext.moe.expert_wgrad import fuses_into_main_grad
+
+    def weight_with(main_grad):
+        weight = torch.zeros(2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+        weight.main_grad, weight.grad_added_to_main_grad = main_grad, False
+        return weight
+
+    assert fuses_into_main_grad(weight_with(torch.zeros(2, 4, 8)))
+    assert fuses_into_main_grad(weight_with(torch.zeros(2, 4, 8, dtype=torch.bfloat16)))
+    for name, main_grad in (("flat", torch.zeros(64)), ("strided", torch.zeros(2, 8, 4).transpose(1, 2)),
+                            ("fp16", torch.zeros(2, 4, 8, dtype=torch.float16))):
+        assert not fuses_into_main_grad(weight_with(main_grad)), name
+    assert not fuses_into_main_grad(torch.zeros(2, 4, 8))  # no DDP
+
+
 def test_graph_runner_helpers_keep_main_grad_and_learn_the_flags():
     fc1, fc2 = _weights()
     router = torch.zeros(3, requires_grad=True)
