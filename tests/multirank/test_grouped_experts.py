@@ -222,3 +222,25 @@ def test_the_singleton_local_shards_layout_is_refused_not_written_in_the_other_o
     """SequentialMLP writes one key per expert with it (a review: loading such a checkpoint into the
     grouped experts failed with a KeyError naming the missing stacked key)."""
     run_on_ranks(_singleton_rank, 1, sizes=ParallelSizes())
+
+
+def _expert_count_mismatch_rank(rank, world):
+    module = DeviceOffsetGroupedMLP(2, moe_config(hidden=32, ffn=16, experts=2))
+    fc1, fc2 = module.fc1_weight.detach(), module.fc2_weight.detach()
+    errors = []
+    for experts in ([0, 1, 2], [0]):  # one expert too many (would be dropped silently), one missing
+        state = {}
+        for i in experts:
+            state[f"local_experts.{i}.linear_fc1.weight"] = fc1[0].clone()
+            state[f"local_experts.{i}.linear_fc2.weight"] = fc2[0].clone()
+        try:
+            module.load_state_dict(state)
+            errors.append(None)
+        except (ValueError, RuntimeError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_a_sequential_checkpoint_of_other_experts_is_refused():
+    [errors] = run_on_ranks(_expert_count_mismatch_rank, 1, sizes=ParallelSizes())
+    assert all(error is not None and "this module holds 2 local experts" in error for error in errors), errors
