@@ -268,6 +268,31 @@ def check_token_with_all_logits_minus_inf() -> None:
     print("ok token with every logit -inf")
 
 
+def _router_step(router, fused_path, tokens, d_probs):
+    """One training forward and backward of a router, Megatron's [T, E] outputs or the fused path's
+    top-k ones scattered to [T, E]: ((routes, probabilities, logged loss, token and weight
+    gradients), the fused path's Selection or None)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    router.set_layer_number(1)
+    router.train()
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    leaf = tokens.clone().requires_grad_(True)
+    selection = None
+    if fused_path:
+        probs, selection = router.fused_forward(leaf)
+        ids = selection.top_idx.long()
+        routing_map = selection.routing_map.bool()
+        full = torch.zeros(d_probs.shape).scatter(1, ids, probs.detach().float())
+        (probs * d_probs.gather(1, ids)).sum().backward()
+    else:
+        full, routing_map = router(leaf)
+        (full.float() * d_probs).sum().backward()
+    loss = tracker.metrics["load_balancing_loss"].values.clone()
+    return (routing_map, full.detach().float(), loss, leaf.grad.float(), router.weight.grad.float()), selection
+
+
 def check_router_module() -> None:
     """FusedTopKRouter.fused_forward (what the layer runs on a GPU) against Megatron's TopKRouter on the
     same weights and tokens, in training with the switch load-balancing loss: routes, probabilities,
@@ -299,26 +324,11 @@ def check_router_module() -> None:
             routers[1].weight.copy_(routers[0].weight)
         tokens = torch.randn(10, 3, 48, generator=gen).to(dtype)
         d_probs = torch.randn(30, 16, generator=gen)
-        results = []
-        for router, fused_path in zip(routers, (False, True)):
-            router.set_layer_number(1)
-            router.train()
-            assert not fused_path or not router.unfused, router.unfused
-            tracker = get_moe_metrics_tracker()
-            tracker.clear()
-            leaf = tokens.clone().requires_grad_(True)
-            if fused_path:
-                probs, selection = router.fused_forward(leaf)
-                ids = selection.top_idx.long()
-                routing_map = selection.routing_map.bool()
-                full = torch.zeros(30, 16).scatter(1, ids, probs.detach().float())
-                (probs * d_probs.gather(1, ids)).sum().backward()
-            else:
-                full, routing_map = router(leaf)
-                (full.float() * d_probs).sum().backward()
-            loss = tracker.metrics["load_balancing_loss"].values.clone()
-            results.append((routing_map, full.detach().float(), loss, leaf.grad.float(), router.weight.grad.float()))
-        (map_ref, probs_ref, loss_ref, *grads_ref), (map_got, probs_got, loss_got, *grads_got) = results
+        assert not routers[1].unfused, routers[1].unfused
+        (reference, _), (fused, selection) = [_router_step(router, fused, tokens, d_probs)
+                                              for router, fused in zip(routers, (False, True))]
+        ids = selection.top_idx.long()
+        (map_ref, probs_ref, loss_ref, *grads_ref), (map_got, probs_got, loss_got, *grads_got) = reference, fused
         assert torch.equal(map_got, map_ref), f"{case}: routes"
         torch.testing.assert_close(probs_got, probs_ref, rtol=1e-6 if dtype == torch.float32 else 2 ** -8, atol=1e-7,
                                    msg=lambda m: f"{case}: probabilities\n{m}")
@@ -328,6 +338,7 @@ def check_router_module() -> None:
         cpu_probs, cpu_map = routers[1](tokens)  # CPU tensors: Megatron's path, its [T, E] outputs
         assert cpu_probs.shape == (30, 16) and torch.equal(cpu_map, map_ref), f"{case}: CPU path"
         routers[1].eval()  # evaluation with autograd on (Megatron's router attaches no loss then)
+        tracker = get_moe_metrics_tracker()
         tracker.clear()
         eval_probs, _ = routers[1].fused_forward(tokens.clone().requires_grad_(True))
         assert torch.equal(eval_probs.detach().float(), probs_got.gather(1, ids)), f"{case}: eval probabilities"
@@ -340,7 +351,6 @@ def _router_module_tp_rank(rank, world):
     rank's tokens (as under sequence parallelism: each rank routes its own). The load-balancing loss
     sums the counts over the tp_cp group and divides by every rank's tokens; the route map must still
     plan from this rank's own counts."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -355,26 +365,10 @@ def _router_module_tp_rank(rank, world):
         routers[1].weight.copy_(routers[0].weight)
     tokens = torch.randn(24, 48, generator=torch.Generator().manual_seed(40 + rank))
     d_probs = torch.randn(24, 16, generator=torch.Generator().manual_seed(60 + rank))
-    results = []
-    for router, fused_path in zip(routers, (False, True)):
-        router.set_layer_number(1)
-        router.train()
-        tracker = get_moe_metrics_tracker()
-        tracker.clear()
-        leaf = tokens.clone().requires_grad_(True)
-        if fused_path:
-            probs, selection = router.fused_forward(leaf)
-            ids = selection.top_idx.long()
-            routing_map = selection.routing_map.bool()
-            own_counts = torch.equal(selection.counts.long(), routing_map.long().sum(0))
-            full = torch.zeros(24, 16).scatter(1, ids, probs.detach().float())
-            (probs * d_probs.gather(1, ids)).sum().backward()
-        else:
-            full, routing_map = router(leaf)
-            (full.float() * d_probs).sum().backward()
-        loss = tracker.metrics["load_balancing_loss"].values.clone()
-        results.append((routing_map, full.detach(), loss, leaf.grad, router.weight.grad))
-    (map_ref, probs_ref, loss_ref, *grads_ref), (map_got, probs_got, loss_got, *grads_got) = results
+    (reference, _), (fused, selection) = [_router_step(router, fused, tokens, d_probs)
+                                          for router, fused in zip(routers, (False, True))]
+    own_counts = torch.equal(selection.counts.long(), selection.routing_map.long().sum(0))
+    (map_ref, probs_ref, loss_ref, *grads_ref), (map_got, probs_got, loss_got, *grads_got) = reference, fused
     problems = [name for name, ok in (
         ("routes", torch.equal(map_got, map_ref)),
         ("probabilities", torch.allclose(probs_got, probs_ref, rtol=1e-6, atol=1e-7)),
