@@ -28,10 +28,16 @@ so it computes clamp(x) + b, while TEGroupedMLP adds the bias in its grouped GEM
 kernel none, so it computes clamp(x + b). The grouped experts follow the class Megatron's spec
 would build for the config (`megatron_builds_te_grouped_experts`): SequentialMLP's order
 (`clamps_before_bias`) unless it would build TEGroupedMLP.
+The fused SwiGLU kernels (`weighted_bias_swiglu_impl`, and `bias_swiglu_impl` under probabilities
+on the input) take no clamp: both of Megatron's expert classes ignore `activation_func_clamp_value`
+for SwiGLU under `bias_activation_fusion` (a non-zero `glu_linear_offset` there is refused by
+TransformerConfig). The grouped experts compute what Megatron computes, so a model trains and loads
+the same under either, and say once that the clamp is not applied and how to apply it.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.kernels.swiglu import swiglu_valid_prefix
+from megatron_ext.quiet import warn_once
+
+logger = logging.getLogger(__name__)
 
 
 def megatron_builds_te_grouped_experts(config) -> bool:
@@ -67,6 +76,13 @@ class ExpertActivation:
 
         gated, clamp = bool(config.gated_linear_unit), config.activation_func_clamp_value
         fused_quick_geglu = bool(config.bias_activation_fusion) and gated and config.activation_func is quick_gelu
+        fused_swiglu = bool(config.bias_activation_fusion) and gated and config.activation_func is F.silu
+        if fused_swiglu and clamp is not None:
+            warn_once(logger, f"megatron_ext: activation_func_clamp_value={clamp} is not applied: SwiGLU under "
+                      "bias_activation_fusion runs Megatron's fused kernel, which has no clamp (megatron-core "
+                      "0.19.2's experts ignore it too); set bias_activation_fusion=False (--no-bias-swiglu-fusion) "
+                      "to clamp")
+            clamp = None
         return ExpertActivation(func=config.activation_func, gated=gated, clamp=clamp,
                                 offset=float(config.glu_linear_offset),
                                 clamps_before_bias=fused_quick_geglu and clamp is not None

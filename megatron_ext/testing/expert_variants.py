@@ -44,6 +44,11 @@ def variants() -> dict[str, dict]:
         # the same under Megatron's fused weighted kernel (--quick-geglu's default): clamp(x) + b, not clamp(x + b)
         "quick_geglu_clamped_fused": dict(activation_func=quick_gelu, activation_func_clamp_value=0.5,
                                           glu_linear_offset=1.0, add_bias_linear=True, bias_activation_fusion=True),
+        # gpt-oss style SwiGLU: clamped, with a linear offset and biases (Megatron's unfused formula)
+        "swiglu_clamped": dict(activation_func_clamp_value=0.5, glu_linear_offset=1.0, add_bias_linear=True),
+        # under --bias-swiglu-fusion (Megatron's default) the fused kernel has no clamp (nor, weighted, a bias):
+        # Megatron ignores the clamp
+        "swiglu_clamped_fused": dict(activation_func_clamp_value=0.5, bias_activation_fusion=True),
         "probs_on_input": dict(plain, activation_func=F.gelu, add_bias_linear=True, moe_apply_probs_on_input=True),
         # SequentialMLP runs the fused kernel with probabilities of one: still clamp(x) + b
         "probs_on_input_quick_geglu_clamped_fused": dict(

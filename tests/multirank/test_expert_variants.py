@@ -89,8 +89,9 @@ def _module_rank(rank, world, dtype):
 def test_every_variant_matches_sequential_mlp_on_capacity_buffers(dtype):
     checked = run_on_ranks(_module_rank, 1, dtype, sizes=ParallelSizes())[0]
     assert len(checked) == len(variants()) * len(SHAPES)
-    # The fast path (the original three kernels) is taken exactly for SwiGLU without biases at aligned sizes.
-    assert [c for c in checked if c[2]] == [("swiglu", 32, True)]
+    # The fast path (the original three kernels) is taken exactly for SwiGLU without biases at aligned sizes
+    # (a clamp under bias_activation_fusion is not applied, as Megatron's fused kernel has none).
+    assert [c for c in checked if c[2]] == [("swiglu", 32, True), ("swiglu_clamped_fused", 32, True)]
 
 
 def _layers(config):
@@ -490,3 +491,33 @@ def _te_activation_rank(rank, world):
 def test_te_activation_modules_are_said_to_be_ignored():
     said = run_on_ranks(_te_activation_rank, 1, sizes=ParallelSizes())[0]
     assert len(said) == 1 and "use_te_activation_func is ignored by the grouped experts" in said[0], said
+
+
+def _swiglu_clamp_fusion_rank(rank, world):
+    import logging as logging_module
+
+    from megatron_ext import quiet
+
+    said = []
+    handler = logging_module.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging_module.getLogger("megatron_ext.moe.expert_activation").addHandler(handler)
+    quiet._WARNED.clear()
+    counts = torch.tensor([6, 3, 0, 7])
+    x = torch.randn(int(counts.sum()), 32, generator=torch.Generator().manual_seed(8))
+    outs = {}
+    for fusion in (False, True):
+        config = variant_config("swiglu_clamped_fused", hidden=32, ffn=16, experts=4, bias_activation_fusion=fusion)
+        module = DeviceOffsetGroupedMLP(4, config)
+        load_expert_params(module, ExpertParams.random(config, seed=63))
+        outs[fusion] = module.forward_offsets(x, torch.cumsum(counts, 0).to(torch.int32), torch.ones(x.shape[0])).detach()
+    return said, outs
+
+
+def test_swiglu_clamp_under_fusion_is_said_not_to_apply():
+    """Megatron's fused SwiGLU kernels have no clamp (megatron-core 0.19.2); the experts follow and say so
+    once, naming the flag that applies it. Without fusion the clamp applies (and bites in this case)."""
+    said, outs = run_on_ranks(_swiglu_clamp_fusion_rank, 1, sizes=ParallelSizes())[0]
+    assert len(said) == 1 and "activation_func_clamp_value=0.5 is not applied" in said[0], said
+    assert "--no-bias-swiglu-fusion" in said[0], said
+    assert not torch.allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3), "the clamp must bite in this case"
