@@ -74,11 +74,13 @@ def _module_rank(rank, world, dtype):
             for what, a, b, c in zip(("output", "input grad", "prob grad"), got, again, want):
                 assert torch.isfinite(a.float()).all(), f"{case}: {what} picked up the NaN tail"
                 assert torch.equal(a, b), f"{case}: {what} depends on capacity-tail contents"
+                assert a.dtype == c.dtype, f"{case}: {what} is {a.dtype}, SequentialMLP's {c.dtype}"
                 assert_close(a, c, rtol, f"{case}: {what} vs SequentialMLP")
             assert sorted(got_grads) == sorted(want_grads), case
             for what in want_grads:
                 assert torch.isfinite(got_grads[what].float()).all(), f"{case}: {what} grad picked up the NaN tail"
                 assert torch.equal(got_grads[what], again_grads[what]), f"{case}: {what} grad depends on the tail"
+                assert got_grads[what].dtype == want_grads[what].dtype, f"{case}: {what} grad dtype"
                 assert_close(got_grads[what], want_grads[what], 2 * rtol, f"{case}: {what} grad vs SequentialMLP")
                 assert torch.count_nonzero(got_grads[what][1]) == 0, f"{case}: the empty expert got a {what} grad"
             checked.append((name, hidden, grouped.fast_path))

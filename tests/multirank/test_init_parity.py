@@ -21,7 +21,11 @@ CFG = TinyGPTConfig(layers=3, hidden=32, heads=4, experts=4, topk=2, moe_ffn=32,
                     micro_batch=2, seed=1234)
 
 
-def _build(kind: str, ep: int, seed: int = 7):
+def _uniform_init(tensor):
+    return torch.nn.init.uniform_(tensor, -0.05, 0.05)
+
+
+def _build(kind: str, ep: int, seed: int = 7, bf16_uniform: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -30,6 +34,9 @@ def _build(kind: str, ep: int, seed: int = 7):
 
     config = dataclasses.replace(transformer_config(CFG, ep), moe_layer_freq=[1, 0, 1],
                                  moe_shared_expert_intermediate_size=32)
+    if bf16_uniform:  # a uniform draw into bf16 differs from an fp32 master's cast: the master must be kept
+        config = dataclasses.replace(config, params_dtype=torch.bfloat16, bf16=True, init_method=_uniform_init,
+                                     output_layer_init_method=_uniform_init)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     if kind == "ours":
         spec = swap_moe_parts(spec, MoEExtConfig(transport="torch", dropless=True))
@@ -38,8 +45,8 @@ def _build(kind: str, ep: int, seed: int = 7):
     return GPTModel(config, spec, vocab_size=CFG.vocab, max_sequence_length=CFG.seq_len, position_embedding_type="rope")
 
 
-def _init_rank(rank, world):
-    models = {kind: _build(kind, world) for kind in ("megatron", "ours")}
+def _init_rank(rank, world, bf16_uniform=False):
+    models = {kind: _build(kind, world, bf16_uniform=bf16_uniform) for kind in ("megatron", "ours")}
     others = {kind: {name: p.detach() for name, p in model.named_parameters() if ".experts." not in name}
               for kind, model in models.items()}
     assert others["megatron"].keys() == others["ours"].keys()
@@ -51,7 +58,7 @@ def _init_rank(rank, world):
     return differ, len(others["ours"])
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_the_same_seed_draws_megatrons_weights(world):
-    for differ, compared in run_on_ranks(_init_rank, world, sizes=ParallelSizes(ep=world)):
+@pytest.mark.parametrize("world,bf16_uniform", [(1, False), (2, False), (1, True)])
+def test_the_same_seed_draws_megatrons_weights(world, bf16_uniform):
+    for differ, compared in run_on_ranks(_init_rank, world, bf16_uniform, sizes=ParallelSizes(ep=world)):
         assert compared > 10 and differ == [], differ
