@@ -229,6 +229,9 @@ def _optimizer_checkpoint_rank(rank, world, ckpt_root, direction):
     for index, state in loaded["optimizer"]["state"].items():  # 'step' is not saved per parameter
         state["step"] = target_optimizer.state_dict()["state"][index]["step"]
     target_optimizer.load_state_dict(loaded["optimizer"])
+    for param in target.parameters():  # e.g. a flat bias's state loaded as [L, rows] would break Adam's next step
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert target_optimizer.state[param][key].shape == param.shape, f"rank {rank} {direction}: {key} shape"
     got = per_expert(target, lambda param: target_optimizer.state[param]["exp_avg_sq"])
     for name in want:
         assert torch.equal(got[name], want[name]), f"rank {rank} {direction}: {name}'s Adam state not restored"
