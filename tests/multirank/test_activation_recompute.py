@@ -205,3 +205,26 @@ def test_the_recompute_node_gives_the_probabilities_their_gradient_alone():
     torch._grouped_mm(activation(h, None, want), fc2.transpose(1, 2), offs=offsets).backward(grad_out)
     # rows past the last offset belong to no expert: torch._grouped_mm leaves their gradient unspecified
     torch.testing.assert_close(got.grad[:VALID], want.grad[:VALID], rtol=1e-6, atol=1e-6)
+
+
+def test_the_recompute_node_trains_fc2_alone_without_probabilities():
+    """fc1's output frozen and no probabilities (they were applied on the input): fc2's weight gradient
+    equals the one through the kept activation, and nothing else is asked for."""
+    from megatron_ext.moe.expert_recompute import activation_then_fc2
+
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(ROWS, 8, generator=gen)
+    fc2 = torch.randn(len(COUNTS), 4, 8, generator=gen)
+    offsets = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32)
+    grad_out = torch.randn(ROWS, 4, generator=gen)
+
+    def activation(x, valid, p):
+        assert p is None, "no probabilities were given"
+        return torch.nn.functional.gelu(x)
+
+    got = fc2.clone().requires_grad_(True)
+    activation_then_fc2(activation, h, offsets[-1], None, got, offsets).backward(grad_out)
+    want = fc2.clone().requires_grad_(True)
+    torch._grouped_mm(activation(h, None, None), want.transpose(1, 2), offs=offsets).backward(grad_out)
+    assert h.grad is None
+    torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6)
