@@ -372,3 +372,27 @@ def test_main_grad_is_given_back_when_the_warm_up_fails():
             assert weight.main_grad is not original
             raise RuntimeError("warm-up failed")
     assert weight.main_grad is original
+
+
+def test_cpu_reference_rounds_old_plus_sum_once():
+    """The torch reference (CPU tensors) adds each expert's sum to a bf16 `out` in fp32 and rounds once,
+    as the kernel's epilogue does. Small integers keep every fp32 sum exact, so the expectation is exact;
+    rounding the sum to bf16 first (twice in all) differs on some elements of this case."""
+    from megatron_ext.kernels.grouped_wgrad import accumulate_grouped_wgrad_reference
+
+    gen = torch.Generator().manual_seed(11)
+    rows, left_width, right_width = 96, 6, 5
+    left = torch.randint(-15, 16, (rows, left_width), generator=gen).bfloat16()
+    right = torch.randint(-15, 16, (rows, right_width), generator=gen).bfloat16()
+    ends = torch.tensor([40, 40, 96], dtype=torch.int32)  # an empty expert
+    old = torch.randint(-9, 10, (3, left_width, right_width), generator=gen).bfloat16()
+    out = old.clone()
+    accumulate_grouped_wgrad_reference(left, right, ends, out)
+    sums = torch.zeros(3, left_width, right_width, dtype=torch.float64)
+    for expert, (start, end) in enumerate(((0, 40), (40, 40), (40, 96))):
+        sums[expert] = left[start:end].double().t() @ right[start:end].double()
+    want = (old.double() + sums).bfloat16()
+    assert torch.equal(out, want)
+    assert torch.equal(out[1], old[1]), "the empty expert's out is left as it was"
+    rounded_twice = (old.float() + sums.bfloat16().float()).bfloat16()
+    assert not torch.equal(rounded_twice, want), "this case must tell one rounding from two"
