@@ -85,6 +85,25 @@ def test_weight_gradients_go_to_main_grad_over_microbatches(recompute):
         assert torch.equal(got[:VALID], x.grad[:VALID])
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("frozen", ["fc1", "fc2"])
+def test_a_frozen_weight_keeps_its_main_grad_untouched(frozen, recompute):
+    """Fine-tuning with one weight frozen: the fused backward adds nothing to its main_grad and sets no
+    flag on it, and the training weight's main_grad is what it would be with both training."""
+    fc1, fc2 = _weights()
+    weights = {"fc1": fc1, "fc2": fc2}
+    attach_main_grads([fc1, fc2])
+    weights[frozen].requires_grad_(False)  # frozen after DDP gave it a main_grad
+    batch = _microbatch(10)
+    x, probs, grad_out, offsets = batch
+    swiglu_grouped_mlp(x.clone().requires_grad_(True), fc1, fc2, offsets, probs, recompute_activation=recompute,
+                       wgrad_fusion=True).backward(grad_out)
+    assert torch.count_nonzero(weights[frozen].main_grad) == 0 and not weights[frozen].grad_added_to_main_grad
+    (training,) = [name for name in weights if name != frozen]
+    want = dict(zip(("fc1", "fc2"), _weight_grads_fp64(fc1, fc2, [batch])))
+    assert weights[training].grad_added_to_main_grad and _relative(weights[training].main_grad, want[training]) < 1e-2
+
+
 def test_fusion_off_hands_ddp_the_gradient_to_add():
     fc1, fc2 = _weights()
     attach_main_grads([fc1, fc2])
