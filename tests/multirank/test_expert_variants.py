@@ -515,7 +515,8 @@ def _swiglu_clamp_fusion_rank(rank, world):
         config = variant_config("swiglu_clamped_fused", hidden=32, ffn=16, experts=4, bias_activation_fusion=fusion)
         module = DeviceOffsetGroupedMLP(4, config)
         load_expert_params(module, ExpertParams.random(config, seed=63))
-        outs[fusion] = module.forward_offsets(x, torch.cumsum(counts, 0).to(torch.int32), torch.ones(x.shape[0])).detach()
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        outs[fusion] = module.forward_offsets(x, offsets, torch.ones(x.shape[0])).detach()
     return said, outs
 
 
@@ -526,3 +527,35 @@ def test_swiglu_clamp_under_fusion_is_said_not_to_apply():
     assert len(said) == 1 and "activation_func_clamp_value=0.5 is not applied" in said[0], said
     assert "--no-bias-swiglu-fusion" in said[0], said
     assert not torch.allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3), "the clamp must bite in this case"
+
+
+def _refused_fusion_rank(rank, world):
+    counts = torch.tensor([4, 5, 0, 3])
+    x = torch.randn(int(counts.sum()), 32, generator=torch.Generator().manual_seed(9))
+    probs = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(10)) + 0.1
+    results = {}
+    for name in ("gelu_bias", "geglu_bias", "swiglu_bias"):
+        outs, refused = {}, None
+        for fusion in (False, True):
+            config = variant_config(name, hidden=32, ffn=16, experts=4, bias_activation_fusion=fusion)
+            params = ExpertParams.random(config, seed=64)
+            grouped, reference = DeviceOffsetGroupedMLP(4, config), sequential_mlp(4, config)
+            load_expert_params(grouped, params)
+            load_expert_params(reference, params)
+            outs[fusion] = grouped(x, counts, probs)[0].detach()
+            try:
+                outs[("megatron", fusion)] = reference(x, counts, probs)[0].detach()
+            except (ValueError, NotImplementedError) as error:
+                refused = f"{type(error).__name__}: {error}"
+        results[name] = (outs, refused)
+    return results
+
+
+def test_fusions_megatrons_experts_refuse_run_the_unfused_formula():
+    """GELU / GEGLU (megatron.training fuses them by default when the linears have biases) and SwiGLU
+    with biases under bias_activation_fusion: megatron-core 0.19.2's experts refuse them at the first
+    forward; the grouped experts compute the config's unfused formula, which equals SequentialMLP unfused."""
+    for name, (outs, refused) in run_on_ranks(_refused_fusion_rank, 1, sizes=ParallelSizes())[0].items():
+        assert refused is not None and ("fusion" in refused or "Bias is not supported" in refused), (name, refused)
+        assert torch.equal(outs[True], outs[False]), f"{name}: fusion changed the grouped experts' output"
+        assert_close(outs[True], outs[("megatron", False)], 1e-5, f"{name} vs SequentialMLP unfused")
