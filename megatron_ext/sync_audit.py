@@ -119,16 +119,18 @@ def count_host_syncs(only_device: str | None = None):
     audit = SyncAudit()
     originals = {}
 
-    def wrap(owner, name, label, is_tensor_method):
+    def wrap(owner, name, label, reads_tensor):
+        """`reads_tensor`: the call reads its first tensor argument (counted per `only_device`);
+        otherwise it synchronizes whatever it is given (always counted)."""
         original = getattr(owner, name)
         originals[(owner, name)] = original
 
         def counted(*args, **kwargs):
             if not audit.active:
                 return original(*args, **kwargs)
-            tensor = args[0] if is_tensor_method and args else None
-            if only_device is None or (tensor is not None and tensor.device.type == only_device) or (
-                    not is_tensor_method):
+            tensor = (args[0] if args else kwargs.get("input")) if reads_tensor else None
+            if not reads_tensor or only_device is None or (
+                    isinstance(tensor, torch.Tensor) and tensor.device.type == only_device):
                 audit.record(label)
             with audit.paused():  # the aten call inside is the same read: count it once
                 return original(*args, **kwargs)
@@ -137,7 +139,7 @@ def count_host_syncs(only_device: str | None = None):
 
     for name in _TENSOR_METHODS:
         wrap(torch.Tensor, name, f"Tensor.{name}", True)
-    wrap(torch, "nonzero", "torch.nonzero", False)
+    wrap(torch, "nonzero", "torch.nonzero", True)
     if torch.cuda.is_available():
         wrap(torch.cuda, "synchronize", "torch.cuda.synchronize", False)
         wrap(torch.cuda.Event, "synchronize", "Event.synchronize", False)

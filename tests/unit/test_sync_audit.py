@@ -28,6 +28,8 @@ HOST_READS = {
     "repeat_interleave": (lambda: x[:3].repeat_interleave(ends), "aten.repeat_interleave without output_size"),
     "bincount": (lambda: torch.bincount(ends), "aten.bincount"),
     "masked_select": (lambda: x.masked_select(mask), "aten.masked_select"),
+    "unique_consecutive": (lambda: torch.unique_consecutive(ends), "aten.unique_consecutive"),
+    "uint8 mask": (lambda: x[mask.to(torch.uint8)], "aten.index with a boolean mask"),
 }
 
 DEVICE_ONLY = {
@@ -70,4 +72,37 @@ def test_only_device_cuda_ignores_cpu_reads():
     with count_host_syncs(only_device="cuda") as audit:
         x.sum().item()
         x[mask]
-    assert audit.count == 0
+        torch.nonzero(ends)  # a review found torch.nonzero counted on any device
+        torch.nonzero(input=ends)
+    assert audit.count == 0, audit.report()
+
+
+def test_every_read_in_a_block_counts_and_the_patches_are_undone():
+    item, nonzero = torch.Tensor.item, torch.nonzero
+    with count_host_syncs() as audit:
+        x.sum().item()
+        ends.tolist()
+        torch.nonzero(ends)
+    assert [name for name, _ in audit.calls] == ["Tensor.item", "Tensor.tolist", "torch.nonzero"]
+    assert torch.Tensor.item is item and torch.nonzero is nonzero, "the wrappers outlived the block"
+
+
+def test_a_nested_pause_keeps_the_outer_one():
+    with count_host_syncs() as audit:
+        with audit.paused():
+            with audit.paused():
+                pass
+            x.sum().item()
+    assert audit.count == 0, audit.report()
+
+
+def test_device_to_host_copies_are_reads_and_host_copies_are_not():
+    from types import SimpleNamespace
+
+    from megatron_ext.sync_audit import host_read
+
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))  # host_read looks only at devices
+    to_cpu = {"device": torch.device("cpu")}
+    assert host_read(torch.ops.aten._to_copy.default, (on_gpu,), to_cpu) == "aten._to_copy to the CPU"
+    assert host_read(torch.ops.aten.copy_.default, (torch.empty(2), on_gpu), {}) == "aten.copy_ to the CPU"
+    assert host_read(torch.ops.aten._to_copy.default, (torch.empty(2),), to_cpu) is None
