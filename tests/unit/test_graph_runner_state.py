@@ -320,6 +320,10 @@ def test_a_transport_with_nccl_in_the_layer_is_not_captured_at_ep_above_one(monk
     assert runner_module.transport_blocker(layer) is None
     layer.token_dispatcher = SimpleNamespace(transport=_TorchTransport(), ep_size=1)
     assert runner_module.transport_blocker(layer) is None, "at EP = 1 the torch transport runs no collective"
+    # a layer without a dispatcher, or one that does not say its EP size, runs no collective of its own
+    assert runner_module.transport_blocker(torch.nn.Linear(1, 1)) is None
+    layer.token_dispatcher = SimpleNamespace(transport=_TorchTransport())
+    assert runner_module.transport_blocker(layer) is None
 
 
 def _graphed_layer_rank(rank, world):

@@ -31,6 +31,16 @@ def test_live_microbatches_rejects_bad_input():
         live_microbatches(4, 0, 3, vpp_size=2)
     with pytest.raises(ValueError, match="num_microbatches \\(6\\) modulo the microbatch group size \\(4\\)"):
         live_microbatches(4, 0, 6, vpp_size=2)
+    with pytest.raises(ValueError, match="num_microbatches must be >= 1, got 0"):
+        live_microbatches(2, 0, 0)
+    with pytest.raises(ValueError, match=r"group size \(2\) between the pipeline size \(4\)"):
+        live_microbatches(4, 0, 8, 2, 2)  # a group smaller than the pipeline
+
+
+def test_a_group_of_all_the_microbatches_is_accepted():
+    # the bounds are inclusive: groups equal to the pipeline size and to the step's microbatches
+    assert live_microbatches(4, 0, 4, 2) == 4
+    assert live_microbatches(2, 1, 4, 2, 4) == 4
 
 
 def _peak_live_on_a_layer(pp, rank, microbatches, vpp, group, overlap) -> int:

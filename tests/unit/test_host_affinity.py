@@ -18,8 +18,19 @@ def test_ranks_of_one_host_take_different_cores():
     assert host_affinity.choose_core({8, 9, 10, 11}, 1, 2) in {8, 9, 10, 11}
     with pytest.raises(ValueError, match="at least one allowed CPU core"):
         host_affinity.choose_core(set(), 0, 1)
-    with pytest.raises(ValueError, match="local rank 3 is outside a host of 2"):
-        host_affinity.choose_core(cores, 3, 2)
+    for rank in (3, 2):  # 2: the first rank past the host (it would index past the cores' shares)
+        with pytest.raises(ValueError, match=f"local rank {rank} is outside a host of 2"):
+            host_affinity.choose_core(cores, rank, 2)
+
+
+def test_host_core_reads_the_local_rank_and_the_cores_the_launcher_allowed(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})
+    monkeypatch.setenv("RANK", "5")  # the global rank says nothing about this host
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # then LOCAL_RANK + 1 ranks on the host
+    assert host_affinity.host_core() == 10
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_affinity.host_core() == 9
 
 
 def _in_thread(fn):
@@ -62,6 +73,20 @@ def test_forward_thread_is_pinned_at_once_and_backward_thread_at_its_backward(mo
     z = x * 3  # later forwards add no hook: a backward thread is pinned
     _in_thread(lambda: host_affinity.pin_submitting_threads(z, core))
     assert not z._backward_hooks
+
+
+def test_a_forward_without_gradients_adds_no_hook(monkeypatch):
+    """An evaluation forward under no_grad before training: nothing to hook (register_hook would raise)."""
+    monkeypatch.setattr(host_affinity, "_backward_thread_pinned", False)
+    core = min(os.sched_getaffinity(0))
+
+    def forward():
+        with torch.no_grad():
+            y = torch.randn(3, requires_grad=True) * 2
+        host_affinity.pin_submitting_threads(y, core)
+        return y._backward_hooks
+
+    assert not _in_thread(forward)
 
 
 def test_pinning_a_thread_happens_once():
