@@ -178,6 +178,32 @@ def test_megatron_ddp_guard_names_a_changed_internal(monkeypatch):
     assert "0.19.2" in message and "start_grad_sync no longer exists" in message
 
 
+@pytest.mark.parametrize("change,expected", [
+    ("reset removed", "_ParamAndGradBucketGroup.reset no longer exists"),
+    ("register_grad_ready no longer launches", "register_grad_ready no longer contains `self.start_grad_sync(`"),
+    ("no source installed", "source not available to check"),
+])
+def test_one_changed_internal_is_enough_to_refuse(monkeypatch, change, expected):
+    """A single change must be caught (the test above changes several at once); an install without
+    sources cannot be checked and says so rather than passing."""
+    import inspect
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    from megatron_ext.ddp.megatron_hook import MegatronInternalsChanged, check_megatron_ddp_internals
+
+    group_cls = param_and_grad_buffer._ParamAndGradBucketGroup
+    if change == "reset removed":
+        monkeypatch.delattr(group_cls, "reset")
+    elif change == "register_grad_ready no longer launches":
+        monkeypatch.setattr(group_cls, "register_grad_ready", lambda self, param, force_all_reduce=False: None)
+    else:
+        monkeypatch.setattr(inspect, "getsource", lambda fn: (_ for _ in ()).throw(OSError("could not get source")))
+    with pytest.raises(MegatronInternalsChanged) as error:
+        check_megatron_ddp_internals()
+    assert expected in str(error.value)
+
+
 def test_megatron_launcher_launches_in_fixed_order_whatever_the_request_order():
     from megatron_ext.ddp.megatron_hook import _OrderedLauncher
 
