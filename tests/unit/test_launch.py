@@ -445,3 +445,17 @@ def test_no_resume_notice_with_apex_or_transformer_engine(hooked, capsys, tmp_pa
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
     parse_with(hooked, [*MOE_MODEL, "--use-distributed-optimizer", "--save", str(tmp_path)])
     assert "does not resume right" not in capsys.readouterr().out
+
+
+def test_no_resume_notice_where_the_optimizer_is_not_torchs_adam_on_the_device():
+    """Only torch's Adam under the distributed optimizer meets the fault: another optimizer (muon)
+    has no Adam step, and --optimizer-cpu-offload runs Megatron's HybridDeviceOptimizer, which
+    handles the step itself. Called directly: the parser need not accept every combination."""
+    from types import SimpleNamespace
+
+    from megatron_ext.optimizer_resume import torch_adam_resume_notice
+
+    adam = dict(use_distributed_optimizer=True, optimizer="adam", save="/ck")
+    assert "does not resume right" in torch_adam_resume_notice(SimpleNamespace(**adam))  # this machine: no Apex/TE
+    assert torch_adam_resume_notice(SimpleNamespace(**adam, optimizer_cpu_offload=True)) is None
+    assert torch_adam_resume_notice(SimpleNamespace(**{**adam, "optimizer": "muon"})) is None

@@ -172,6 +172,28 @@ def test_errors():
         mxfp8.unpack_rows(torch.zeros(2, 64, dtype=torch.uint8), 64)
 
 
+def test_errors_at_the_edges_of_shapes_and_layouts():
+    """Inputs that would otherwise be read or written silently wrong: hidden 0 (no blocks, a row of
+    0 bytes), 3-D values whose dim 1 happens to fit the scales, a pack destination wider than the
+    packed rows (its padding never zeroed), and packed rows whose bytes are not adjacent."""
+    with pytest.raises(ValueError, match=r"positive multiple of 32.*hidden=0.*next one: 32"):
+        mxfp8.packed_row_bytes(0)
+    with pytest.raises(ValueError, match=r"positive multiple of 32.*hidden=0"):
+        mxfp8.quantize_rows(torch.zeros(2, 0))
+    q = mxfp8.quantize_rows(torch.zeros(3, 64))
+    cube = mxfp8.MXFP8Rows(torch.zeros(2, 64, 32, dtype=mxfp8.VALUE_DTYPE), q.scales[:2])  # scales [2, 64/32]
+    with pytest.raises(ValueError, match=r"MXFP8Rows.values must be \[N, H\], got shape \(2, 64, 32\)"):
+        mxfp8.dequantize_rows(cube)
+    # H = 64: 64 value bytes + 2 scale bytes = 66, padded to 80
+    with pytest.raises(ValueError, match=r"pack_rows out must be uint8 \(3, 80\), got torch.uint8 \(3, 96\)"):
+        mxfp8.pack_rows(q, out=torch.empty(3, 96, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"pack_rows out must be uint8 \(3, 80\), got torch.int8"):
+        mxfp8.pack_rows(q, out=torch.empty(3, 80, dtype=torch.int8))
+    every_other = torch.zeros(2, 160, dtype=torch.uint8)[:, ::2]  # [2, 80], stride 2 along the row
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        mxfp8.unpack_rows(every_other, 64)
+
+
 def test_kernels_module_imports_without_gpu():
     from megatron_ext.kernels import mxfp8_quant
 

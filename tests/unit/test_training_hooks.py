@@ -260,3 +260,154 @@ def test_the_replica_check_refuses_fsdp_chunks_from_any_script():
         with pytest.raises(TypeError, match=f"--moe-ext-replica-check-interval with model chunk 1 wrapped in "
                                             f"{wrapper.__name__}: FSDP gives each data-parallel rank a different"):
             training_hooks.after_train_step([torch.nn.Linear(2, 2), chunk], 5, MoEExtConfig(replica_check_interval=5))
+
+
+class _LayerWithoutSteps(torch.nn.Module):
+    """A layer with no forward since the last read: read_metrics returns None (moe/layer.py)."""
+
+    def read_metrics(self):
+        return None
+
+
+class _LayerWithNonfinite(_LayerWithMetrics):
+    def __init__(self, fill, nonfinite):
+        super().__init__(dropped=1)
+        self.fill, self.nonfinite = fill, nonfinite
+
+    def read_metrics(self):
+        return {"dropped_routes": 1, "mean_buffer_fill": self.fill, "capacity": 64,
+                "nonfinite_prob_routes": self.nonfinite}
+
+
+def test_metrics_line_averages_the_layers_that_reported_and_names_nonfinite_probabilities(capsys):
+    """The mean fill is over the layers that read something: a layer with nothing to report (None)
+    is not a zero fill; NaN/Inf router probabilities are summed over layers and named at the end."""
+    model = torch.nn.Sequential(_LayerWithoutSteps(), _LayerWithNonfinite(0.25, 2), _LayerWithNonfinite(0.5, 3))
+    training_hooks.after_train_step(model, 4, MoEExtConfig(metrics_interval=2))
+    line = capsys.readouterr().out.strip()
+    # fills 0.25 and 0.5 from the two layers that reported: (0.25 + 0.5) / 2 = 0.375 (not / 3 = 0.250)
+    assert line == ("megatron_ext routing (rank 0, iterations up to 4): dropped routes 2 | mean capacity fill 0.375 | "
+                    "capacity 64 rows | NaN/Inf router probabilities on 5 routes"), line
+    quiet = torch.nn.Sequential(_LayerWithoutSteps(), _LayerWithMetrics())
+    assert training_hooks.routing_metrics_line(quiet, 2).endswith("mean capacity fill 0.500 | capacity 64 rows")
+
+
+def test_only_rank_0_prints_the_drop_report_and_the_metrics(monkeypatch, capsys):
+    """Every rank computes the drop report (its all-reduce is a collective) but only rank 0 prints it;
+    a world of N ranks would otherwise print the same warning N times."""
+    monkeypatch.setattr(training_hooks.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(training_hooks.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(training_hooks, "_sum_over_ranks", lambda value: value)
+    model = torch.nn.Sequential(_LayerWithMetrics())
+    assert training_hooks.report_drops(model, 5, MoEExtConfig()) is not None  # rank 1 has the line, too
+    training_hooks.after_train_step(model, 5, MoEExtConfig(), log_interval=5)
+    training_hooks.after_train_step(model, 4, MoEExtConfig(metrics_interval=2))
+    assert model[0].reads == 3 and capsys.readouterr().out == ""
+    monkeypatch.setattr(training_hooks.dist, "get_rank", lambda: 0)  # the same on rank 0 prints
+    training_hooks.after_train_step(model, 5, MoEExtConfig(), log_interval=5)
+    assert "dropped 3 routes (all ranks)" in capsys.readouterr().out
+
+
+def _fake_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                     forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+    return "step result"
+
+
+def test_the_replica_check_installs_the_hook_under_megatrons_layers(monkeypatch):
+    """--moe-ext-replica-check-interval checks Megatron's own MoE layers' replicas too: the hook
+    installs for Megatron's dispatcher, with that interval."""
+    from megatron.training import training
+
+    monkeypatch.setattr(training, "train_step", _fake_train_step)
+    monkeypatch.setattr(training, "evaluate", getattr(training.evaluate, "__wrapped__", training.evaluate))
+    assert training_hooks.install(MoEExtConfig(dispatcher="megatron", replica_check_interval=3))
+    assert training.train_step.__wrapped__ is _fake_train_step
+    assert training.train_step._megatron_ext_config[0].replica_check_interval == 3
+
+
+def test_ddp_buckets_are_installed_by_the_step_before_megatrons_step(monkeypatch):
+    """--moe-ext-ddp-buckets takes effect in the wrapped step, before Megatron's step syncs gradients;
+    without it the flag would do nothing."""
+    from megatron.training import training
+
+    seen = []
+
+    def fake_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                        forward_backward_func, iteration=None, pg_collection=None, p2p_communicator=None):
+        seen.append(("step", model))
+
+    monkeypatch.setattr(training, "train_step", fake_train_step)
+    monkeypatch.setattr(training, "evaluate", getattr(training.evaluate, "__wrapped__", training.evaluate))
+    monkeypatch.setattr(training_hooks, "install_ddp_buckets", lambda model: seen.append(("ddp buckets", model)))
+    monkeypatch.setattr(training_hooks, "after_train_step", lambda *args, **kwargs: None)
+    monkeypatch.setattr(training_hooks, "_megatron_args", lambda: SimpleNamespace(log_interval=1, train_iters=10))
+    assert training_hooks.install(MoEExtConfig(dispatcher="megatron", ddp_buckets=True))
+    training.train_step(None, None, ["CHUNK"], None, None, None, None, iteration=0)
+    assert seen == [("ddp buckets", ["CHUNK"]), ("step", ["CHUNK"])]
+
+
+def test_a_step_without_iteration_counts_from_megatrons_curr_iteration(monkeypatch):
+    """A caller that passes no iteration= (train() before 0.19.2, other scripts): the iterations done
+    are Megatron's args.curr_iteration, so after 41 done this step is 42; with --exit-interval 42
+    Megatron stops after it, so it is the last (its drops and overflows are reported)."""
+    from megatron.training import training
+
+    calls = []
+    monkeypatch.setattr(training, "train_step", _fake_train_step)
+    monkeypatch.setattr(training, "evaluate", getattr(training.evaluate, "__wrapped__", training.evaluate))
+    monkeypatch.setattr(training_hooks, "after_train_step",
+                        lambda model, it, cfg, log_interval=1, last=False: calls.append((model, it, last)))
+    monkeypatch.setattr(training_hooks, "_megatron_args", lambda: SimpleNamespace(
+        log_interval=5, train_iters=100, exit_interval=42, curr_iteration=41))
+    training_hooks.install(MoEExtConfig(metrics_interval=1))
+    assert training.train_step(None, None, "MODEL", None, None, None, None) == "step result"
+    assert calls == [("MODEL", 42, True)]
+
+
+def test_training_ends_at_train_iters_or_an_exit_interval_multiple():
+    """Megatron stops after --train-iters, or after any multiple of --exit-interval before that."""
+    args = SimpleNamespace(train_iters=100, exit_interval=20)
+    assert [step for step in range(1, 101) if training_hooks._ends_training(args, step)] == [20, 40, 60, 80, 100]
+    assert not training_hooks._ends_training(args, 41)
+    assert training_hooks._ends_training(SimpleNamespace(train_iters=None, exit_interval=20), 40)
+    assert not training_hooks._ends_training(SimpleNamespace(), 40)  # neither set: a run stopped otherwise
+
+
+def test_reinstalling_wraps_megatrons_evaluate_once(monkeypatch):
+    """A second install on a fresh train_step (the hooks installed again in one process) re-wraps
+    Megatron's own evaluate, not the earlier wrap: one evaluation attaches the arena once."""
+    from megatron.training import training
+
+    from megatron_ext.moe import arena
+
+    seen = []
+
+    def fake_evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config, verbose=False):
+        seen.append("evaluate")
+
+    monkeypatch.setattr(training, "evaluate", fake_evaluate)
+    monkeypatch.setattr(arena, "attach_arenas", lambda model: seen.append("attach"))
+    monkeypatch.setattr(training_hooks, "check_overflows", lambda model: seen.append("check"))
+    for _ in range(2):
+        monkeypatch.setattr(training, "train_step", _fake_train_step)  # fresh: install wraps it again
+        assert training_hooks.install(MoEExtConfig(dropless_arena=True))
+    training.evaluate(None, None, ["EVAL"], None, None)
+    assert seen == ["attach", "evaluate", "check"]  # bounded dropless: the evaluation's overflows, once
+    assert training.evaluate.__wrapped__ is fake_evaluate
+
+
+def test_hook_point_check_fails_when_train_step_loses_its_iteration(monkeypatch):
+    """The hook numbers steps from train_step's iteration argument: a train_step without it is a
+    changed Megatron, refused loudly rather than numbering every step from curr_iteration."""
+    import pytest
+    from megatron.training import training
+
+    from megatron_ext.rules import MegatronInternalsChanged
+
+    def step(forward_step_func, data_iterator, model, optimizer):
+        return None
+
+    monkeypatch.setattr(training, "train_step", step)
+    with pytest.raises(MegatronInternalsChanged, match=r"train_step\(forward_step_func, data_iterator, model, "
+                                                       r"optimizer\) \(expected"):
+        training_hooks.check_hook_point()
