@@ -70,3 +70,47 @@ def test_adopts_matching_megatron_groups():
 def test_refuses_megatron_groups_of_another_layout():
     with pytest.raises(RankFailure, match="initialized with a different layout.*ep_mp_group is"):
         run_on_ranks(_adopt_rank, 4, dict(ep=4), sizes=ParallelSizes(ep=2))
+
+
+def _vpp_rank(rank, world):
+    from megatron.core import parallel_state as ps
+
+    groups = FoldingMesh(world, pp=2, vpp=2).create_groups(create_gloo_process_groups=False)
+    assert not groups.adopted
+    return ps.get_virtual_pipeline_model_parallel_world_size()
+
+
+def test_created_groups_carry_the_mesh_vpp():
+    # PP2 VPP2 on 4 ranks: Megatron must be initialized with the interleaved schedule's VPP
+    # (dist_opt_instances > 1 is not created here: Megatron's hierarchical groups need einops)
+    assert run_on_ranks(_vpp_rank, 4) == [2] * 4
+
+
+def _refused_rank(rank, world, mesh_world, mesh_kwargs, gtp_remat=None):
+    from megatron.core import parallel_state as ps
+
+    if gtp_remat is not None:
+        # as Megatron reports a GTP weight-rematerialization group (this forked rank's module only)
+        ps.get_gtp_weight_remat_world_size = lambda: gtp_remat
+    FoldingMesh(mesh_world, **mesh_kwargs).create_groups(create_gloo_process_groups=False)
+
+
+# (id, mesh world, mesh kwargs, Megatron initialized first with, GTP remat size Megatron reports, message)
+REFUSALS = [
+    ("world", 8, dict(ep=2), None, None, r"mesh world_size 8 != torch.distributed world size 4"),
+    ("gtp-remat", 4, dict(), None, 2,
+     r"get_gtp_weight_remat_world_size\(\) = 2; FoldingMesh does not model GTP remat axes"),
+    # same groups as the mesh, but Megatron was initialized without VPP / with one optimizer instance
+    ("vpp", 4, dict(pp=2, vpp=2), ParallelSizes(pp=2), None,
+     r"different layout .*: Megatron's VPP is None, the mesh has 2"),
+    ("instances", 4, dict(dist_opt_instances=2), ParallelSizes(), None,
+     r"different layout .*: Megatron's partial DP\*CP group has 4 ranks, the mesh expects "
+     r"DP\*CP / dist_opt_instances = 2"),
+]
+
+
+@pytest.mark.parametrize("mesh_world,mesh_kwargs,sizes,gtp_remat,message", [r[1:] for r in REFUSALS],
+                         ids=[r[0] for r in REFUSALS])
+def test_create_groups_refuses_what_the_mesh_does_not_describe(mesh_world, mesh_kwargs, sizes, gtp_remat, message):
+    with pytest.raises(RankFailure, match=message):
+        run_on_ranks(_refused_rank, 4, mesh_world, mesh_kwargs, gtp_remat=gtp_remat, sizes=sizes)

@@ -3,6 +3,7 @@ the memory estimator against a hand computation, and the tools/mesh.py CLI."""
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ from megatron.core.parallel_state import RankGenerator, _inject_gtp_remat_axis
 
 from megatron_ext.parallel.folding import FoldingMesh
 from megatron_ext.parallel.rank_groups import ATTENTION_KINDS, EXPERT_KINDS, rank_groups
-from megatron_ext.parallel.memory import GIB, ModelShape, Precision, estimate, fits, render_memory
+from megatron_ext.parallel.memory import GIB, ModelShape, Precision, estimate, fits, render_memory, stage_layers
+from megatron_ext.parallel.render import short_list
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -127,6 +129,10 @@ INVALID = [
     (dict(world_size=8, tp=0), r"tp must be >= 1, got 0", "rejects"),
     (dict(world_size=8, ep=2, etp=0), r"etp must be >= 1, got 0", "rejects"),
     (dict(world_size=8, ep="2"), r"ep must be an integer, got '2'", "stricter"),
+    # bool is an int subclass: True would pass as a size of 1 (Megatron would take it)
+    (dict(world_size=8, tp=True), r"tp must be an integer, got True", "stricter"),
+    # vpp is optional, but when given it is a size like the others (Megatron would set a VPP world size 0)
+    (dict(world_size=8, pp=2, vpp=0), r"vpp must be >= 1, got 0", "stricter"),
     (dict(world_size=24, tp=2, cp=2, pp=4), r"world_size 24 is not divisible by TP\*CP\*PP = 16", "rejects"),
     (dict(world_size=24, pp=2, ep=8), r"\(world/PP\) = 12 is not divisible by ETP\*EP = 8", "rejects"),
     (dict(world_size=8, pp=2, order="tp-cp-ep-dp"), r"does not name 'pp' but PP = 2", "rejects"),
@@ -192,6 +198,60 @@ def test_render_lists_both_meshes_per_stage():
     # rank 6: attention tp0 cp1 dp1, experts etp0 ep2 edp1
     row6 = next(line.split() for line in text.splitlines() if line.split()[:1] == ["6"])
     assert row6 == ["6", "0", "0", "1", "1", "|", "0", "2", "1"]
+
+
+def test_partial_distributed_optimizer_divides_dp_times_cp():
+    """Megatron's intra-partial DP group spans DP x CP, so dist_opt_instances must divide DP*CP, not DP:
+    DP 2 x CP 2 over 4 instances is valid (EDP = 4 also divides)."""
+    mesh = FoldingMesh(4, cp=2, dist_opt_instances=4)
+    assert (mesh.dp, mesh.cp, mesh.edp) == (2, 2, 4)
+
+
+def test_model_parallel_group_is_tp_times_pp():
+    """tp_pp is Megatron's model-parallel group. The RankGenerator comparison above reads the axes from
+    ATTENTION_KINDS itself, so only a literal catches a wrong axis there. World 8, TP2 PP2 (DP 2),
+    order tp-cp-ep-dp-pp: strides tp 1, dp 2, pp 4."""
+    mesh = FoldingMesh(8, tp=2, pp=2)
+    assert mesh.attention_groups("tp_pp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert mesh.attention_groups("tp_dp_cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_megatron_kwargs_carry_every_mesh_size():
+    # VPP and the distributed-optimizer instances reach initialize_model_parallel too
+    mesh = FoldingMesh(8, tp=2, pp=2, ep=2, etp=1, vpp=2, dist_opt_instances=2)
+    assert mesh.megatron_kwargs() == dict(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+        context_parallel_size=1, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+        num_distributed_optimizer_instances=2, order="tp-cp-ep-dp-pp")
+
+
+def test_short_list_keeps_up_to_limit_entries():
+    # limit 8: exactly 8 ranks are listed in full; past it, the ends (and the step when regular)
+    assert short_list(list(range(8))) == "[0, 1, 2, 3, 4, 5, 6, 7]"
+    assert short_list(list(range(0, 18, 2))) == "[0, 2, ..., 16] (step 2)"
+    assert short_list([0, 1, 3, 4, 5, 6, 7, 8, 9]) == "[0, 1, 3, 4, 5, 6, 7, ..., 9]"
+
+
+def test_summary_lists_every_group_kind_and_node_locality():
+    """World 16 on nodes of 8, TP2 CP2 PP2 (DP 2) and ETP1 EP4 (EDP 2). Order tp-cp-ep-dp-pp gives
+    attention strides tp 1, cp 2, dp 4, pp 8 and expert strides ep 1, edp 4, pp 8; a group stays in
+    one node when all its ranks share rank // 8, so only the PP groups (rank r and r + 8) cross."""
+    text = FoldingMesh(16, tp=2, cp=2, pp=2, ep=4, etp=1).render_summary(gpus_per_node=8)
+    lines = text.splitlines()
+    assert lines[0] == "Parallel Folding mesh: world 16 ranks, order tp-cp-ep-dp-pp, 2 nodes x 8 GPUs"
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("mesh"))
+    # cells are separated by at least two spaces; labels and rank lists hold single spaces
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[header + 1:]]
+    assert rows == [
+        ["attention", "tp", "8", "2", "[0, 1]", "yes"],
+        ["attention", "cp", "8", "2", "[0, 2]", "yes"],
+        ["attention", "dp", "8", "2", "[0, 4]", "yes"],
+        ["attention", "dp_cp", "4", "4", "[0, 2, 4, 6]", "yes"],
+        ["attention", "pp", "8", "2", "[0, 8]", "no"],
+        ["expert", "etp", "16", "1", "[0]", "yes"],
+        ["expert", "ep (EP_MP)", "4", "4", "[0, 1, 2, 3]", "yes"],
+        ["expert", "edp (EP_DP)", "8", "2", "[0, 4]", "yes"],
+    ]
 
 
 # ---------------------------------------------------------------- memory
@@ -280,6 +340,79 @@ def test_memory_cases_a_mutation_audit_found_unasserted():
     (stage,) = estimate(ModelShape(layers=2, hidden=64, moe_ffn=32, experts=8, topk=2, vocab=1000), FoldingMesh(8),
                         Precision())
     assert fits(stage, stage.total_bytes / GIB) and not fits(stage, stage.total_bytes / GIB * 0.999)
+
+
+def test_model_shape_sizes_from_their_definitions():
+    small = dict(layers=2, hidden=64, moe_ffn=32, experts=8, topk=2, vocab=1000)
+    # padded to a multiple of 128 * TP: 1100 -> 5 * 256 under TP2 (not 9 * 128)
+    assert ModelShape(**{**small, "vocab": 1100}).padded_vocab(2) == 1280
+    assert ModelShape(**{**small, "vocab": 1100}).padded_vocab(1) == 1152
+    # GQA: K and V are query_groups * head_dim = 2 * (64 / 8) wide; QKV is h x (h + 2 kv), proj h x h
+    gqa = ModelShape(**small, heads=8, query_groups=2)
+    assert gqa.kv_width == 16
+    assert gqa.attention_params() == 64 * 96 + 64 * 64
+    assert ModelShape(**small, heads=8).attention_params() == 64 * 192 + 64 * 64  # MHA
+    # tied embeddings drop exactly one vocab x hidden table from the whole-model count
+    untied, tied = ModelShape(**small), ModelShape(**small, tie_embeddings=True)
+    assert untied.total_and_active_params()[0] - tied.total_and_active_params()[0] == 1000 * 64
+    # top-k may equal the number of experts but not exceed it
+    ModelShape(**{**small, "experts": 4, "topk": 4})
+    with pytest.raises(ValueError, match="topk 5 exceeds the number of experts 4"):
+        ModelShape(**{**small, "experts": 4, "topk": 5})
+
+
+def test_precision_default_grad_dtype():
+    # Megatron accumulates bf16 grads in fp32; other dtypes keep their own
+    assert Precision("bf16").grad_dtype == "fp32"
+    assert Precision("fp16").grad_dtype == "fp16"
+    assert Precision("fp32").grad_dtype == "fp32"
+    assert Precision("fp16", grad_dtype="fp32").grad_dtype == "fp32"
+
+
+def test_memory_shards_dense_states_over_dp_times_cp():
+    """Dense gradients are replicated over DP x CP, so the distributed optimizer shards dense states
+    over DP*CP (8 here), experts' over EDP (4). Counted by hand: world 8, CP2 EP2 -> DP 4, EDP 4."""
+    mesh = FoldingMesh(8, cp=2, ep=2)
+    model = ModelShape(layers=2, hidden=64, moe_ffn=32, experts=8, topk=2, vocab=1000)
+    (stage,) = estimate(model, mesh, Precision("bf16", optimizer="adam", distributed_optimizer=True))
+    h = 64
+    per_layer = 4 * h * h + 2 * h + 8 * h  # attention, two norms, router
+    dense = 2 * per_layer + 2 * 1024 * h + h  # embedding and output layer (1000 -> 1024), final norm
+    expert = 2 * (8 // 2) * 3 * h * 32
+    assert (stage.params.dense, stage.params.expert) == (dense, expert) == (165_184, 49_152)
+    assert stage.optimizer_bytes.dense == -(-12 * dense // 8) == 247_776
+    assert stage.optimizer_bytes.expert == 12 * expert // 4 == 147_456
+
+
+def test_memory_divides_shared_experts_by_tp_and_routed_experts_by_etp():
+    base = dict(layers=2, hidden=64, moe_ffn=32, experts=8, topk=2, vocab=1000)
+    precision = Precision()
+    # a shared expert (3 matrices of 64 x 64) is a dense MLP sharded over TP2, in each of the 2 MoE layers
+    mesh = FoldingMesh(8, tp=2)
+    (plain,) = estimate(ModelShape(**base), mesh, precision)
+    (shared,) = estimate(ModelShape(**base, shared_expert_ffn=64), mesh, precision)
+    assert shared.params.dense - plain.params.dense == 2 * 3 * 64 * 64 // 2
+    assert shared.params.expert == plain.params.expert
+    # routed experts: 8 / EP2 = 4 local experts of 3 x 64 x 32, sharded over ETP2 (TP stays 1)
+    (stage,) = estimate(ModelShape(**base), FoldingMesh(8, ep=2, etp=2), precision)
+    assert stage.params.expert == 2 * 4 * 3 * 64 * 32 // 2 == 24_576
+
+
+def test_memory_interleaves_layers_over_virtual_stages():
+    """PP2 VPP2, 8 layers: 4 chunks of 2 layers dealt round-robin, so stage 0 holds layers 0, 1, 4, 5
+    and stage 1 layers 2, 3, 6, 7; with 3 leading dense layers stage 0 has two of them, stage 1 one."""
+    model = ModelShape(layers=8, hidden=64, moe_ffn=32, experts=8, topk=2, vocab=1000, dense_layers=3)
+    mesh = FoldingMesh(8, pp=2, vpp=2)
+    assert [stage_layers(model, mesh, s) for s in (0, 1)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    stages = estimate(model, mesh, Precision())
+    assert [(s.dense_layers, s.moe_layers) for s in stages] == [(2, 2), (1, 3)]
+
+
+def test_model_on_mesh_needs_moe_ffn_divisible_by_etp():
+    model = ModelShape(layers=2, hidden=64, moe_ffn=30, experts=8, topk=2, vocab=1000)
+    with pytest.raises(ValueError, match="moe_ffn 30 is not divisible by ETP = 4"):
+        estimate(model, FoldingMesh(8, ep=2, etp=4), Precision())
+    estimate(model, FoldingMesh(8, ep=2, etp=2), Precision())  # 30 = 2 x 15
 
 
 def test_group_of_refuses_a_rank_outside_the_world():
