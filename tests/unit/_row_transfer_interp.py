@@ -242,6 +242,29 @@ def check_in_place(dtype, T: int, K: int, C: int, seed: int, failures: list[str]
         failures.append(f"get {name}: values differ from the table form or the brute force")
 
 
+def check_in_place_bounds(failures: list[str]) -> None:
+    """In place, the source's own rows bound the reads whatever `capacity` says: a route to a row past
+    the source's end (but below a larger capacity) or to another rank than 0 reads nothing and adds 0.
+    The source is a view of a longer tensor whose rows past the view are NaN, so a read past its end
+    shows up as NaN (deterministically: it is the same storage)."""
+    from megatron_ext.kernels.row_transfer import get_rows
+
+    C, H = 6, 40
+    backing = torch.full((C + 4, H), float("nan"))
+    backing[:C] = torch.arange(C * H, dtype=torch.float32).view(C, H)
+    values_backing = torch.full((C + 4,), float("nan"))
+    values_backing[:C] = torch.arange(C, dtype=torch.float32)
+    source, values = backing[:C], values_backing[:C]
+    dest_rank = torch.tensor([[0, 0], [0, 1], [0, -1]], dtype=torch.int32)
+    dest_row = torch.tensor([[1, C], [2, 3], [C + 1, 0]], dtype=torch.int32)  # (0,1), (2,0): past the rows
+    out, fetched = torch.empty(3, H), torch.full((3, 2), float("nan"))
+    get_rows(source, dest_rank, dest_row, out, value_table=values, values_out=fetched, capacity=C + 4, in_place=True)
+    want = torch.stack([backing[1], backing[2], torch.zeros(H)])  # only (0,0) and (1,0) are inside rank 0's rows
+    want_values = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 0.0]])
+    if not (torch.equal(out, want) and torch.equal(fetched, want_values)):
+        failures.append("get in place: a route past the source's rows or to rank != 0 was read")
+
+
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.unit.interpreter import interpreter_ready
@@ -270,6 +293,8 @@ def main() -> int:
     for dtype in (torch.float32, torch.bfloat16):
         check_in_place(dtype, T=9, K=3, C=16, seed=20, failures=failures)
         cases += 1
+    check_in_place_bounds(failures)
+    cases += 1
     for line in failures:
         print("MISMATCH", line)
     print(f"{cases} cases, {len(failures)} mismatches")

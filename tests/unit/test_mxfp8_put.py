@@ -71,3 +71,12 @@ def test_tile_rule_refuses_two_bytes_per_thread():
     check_tile_elements(128, 4, "op")  # 1 per thread: fine
     with pytest.raises(ValueError, match="2 bytes"):
         check_tile_elements(256, 4, "op")
+
+
+def test_put_rows_mxfp8_refuses_blocks_per_program_not_a_power_of_two(monkeypatch):
+    """The check sits after check_runnable (a CUDA or interpreter run only): with TRITON_INTERPRET=1 in
+    the environment the launch is allowed, so the error proves it comes before any kernel runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    src, dest_rank, dest_row, table = put_arguments("ok", hidden=96)
+    with pytest.raises(ValueError, match="put_rows_mxfp8: blocks_per_program must be a power of two, got 3"):
+        put_rows_mxfp8(src, dest_rank, dest_row, table, blocks_per_program=3)

@@ -455,3 +455,86 @@ def test_metric_sinks_refuse_counters_the_route_launch_would_write_out_of_bounds
         MetricSinks(overflow=good).check(4, 2, cpu)
     with pytest.raises(ValueError, match="on cpu .* on meta"):  # another device: the launch cannot write there
         MetricSinks(running=torch.zeros(12, dtype=torch.int64, device="meta")).check(4, 2, cpu)
+
+
+def test_plan_keep_refuses_per_destination_capacities_for_unevenly_sharded_experts():
+    """The arena's [M] capacities skip the host capacity check, not the sharding one."""
+    with pytest.raises(ValueError, match="divisible"):
+        rm.plan_keep(torch.ones(4, 6, dtype=torch.int32), torch.full((4,), 16))
+
+
+def test_route_keeps_per_destination_capacities():
+    """route(dest_capacity=[M]): destination d keeps what the oracle keeps at capacity dest_capacity[d]
+    (the buffer's `capacity` only sizes row_source). Two simulated ranks, 4 experts."""
+    per_rank = [[[0, 1], [0, 2], [1, 3], [0, 1], [2, 3]], [[0, 3], [1, 0], [2, 3], [3, 2], [0, 1]]]
+    tops, requested = _simulate(per_rank, 4, 2)
+    dest_capacity = torch.tensor([3, 5])
+    # the oracle at each destination's capacity, for that destination's experts 2d, 2d + 1
+    by_cap = [oracle_keep(requested.tolist(), cap) for cap in dest_capacity.tolist()]
+    keep = torch.tensor([[by_cap[e // 2][s][e] for e in range(4)] for s in range(2)])
+    assert rm.plan_keep(requested, dest_capacity).tolist() == keep.tolist()
+    assert keep.sum().item() == 8  # both destinations overflow (11 and 9 routes asked): 3 + 5 rows
+    for s, top in enumerate(tops):
+        got = rm.route(top, 4, capacity=16, gather_counts=lambda counts: requested, ep_rank=s,
+                       dest_capacity=dest_capacity)
+        seen, want_rank, want_row = [0] * 4, [], []
+        for token in per_rank[s]:  # brute force: each expert's routes in token order, the first keep[s, e] kept
+            for e in token:
+                kept = seen[e] < keep[s, e]
+                base = int(keep[:, (e // 2) * 2:e].sum() + keep[:s, e].sum())  # earlier local experts, sources
+                want_rank.append(e // 2 if kept else -1)
+                want_row.append(base + seen[e] if kept else -1)
+                seen[e] += 1
+        assert got.dest_rank.reshape(-1).tolist() == want_rank and got.dest_row.reshape(-1).tolist() == want_row, s
+        assert got.recv_offsets.tolist()[-1] == dest_capacity[s] and got.row_source.shape == (16,)
+
+
+def test_check_route_map_names_shared_rows_and_offsets_past_the_capacity():
+    """debug_checks: two kept routes on one row of one rank, and receive offsets that are the
+    cumulative counts but end past the capacity, are each named."""
+    import dataclasses
+
+    top = torch.tensor([[0, 1], [1, 0]])
+    good = rm.route(top, num_experts=2, capacity=4)
+    rm.check_route_map(good, top, 2, 4, 1)
+    shared = dataclasses.replace(good, dest_row=torch.tensor([[0, 2], [2, 1]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="two kept routes share a destination row"):
+        rm.check_route_map(shared, top, 2, 4, 1)
+    too_many = dataclasses.replace(good, recv_counts=torch.tensor([3, 2], dtype=torch.int32),
+                                   recv_offsets=torch.tensor([3, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="receive offsets .* within capacity 4"):
+        rm.check_route_map(too_many, top, 2, 4, 1)
+    edge = dataclasses.replace(good, dest_row=torch.where(good.dest_row == 3, 4, good.dest_row))
+    with pytest.raises(RuntimeError, match="outside 1 ranks x 4 rows"):  # row C itself is outside
+        rm.check_route_map(edge, top, 2, 4, 1)
+
+
+def test_overflow_check_before_the_first_forward_is_silent():
+    """A logging step can come before the layer's first forward: no counters yet, nothing to check."""
+    from megatron_ext.moe.overflow import OverflowGuard
+
+    OverflowGuard().check("layer 1", 16, 16, 1.0)
+
+
+def test_overflow_counts_requested_minus_kept_whatever_was_dropped():
+    """The overflow is the routes requested of all ranks less those kept; this rank's dropped counter
+    (which includes its invalid and empty slots) does not enter it."""
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    guard, sinks = _guard_with_sinks()
+    dropped = torch.tensor(3, dtype=torch.int32)
+    packed = rm.pack_metrics(torch.tensor([9, 8, 1, 1]), torch.tensor([8, 8, 1, 1]), dropped, dropped * 0, dropped * 0)
+    sinks.add(rm.RouteMetrics(packed, buffer_fill=torch.zeros(())), ep_size=2)
+    with pytest.raises(CapacityExceeded, match=r"1 route\(s\) overflowed"):
+        guard.check("layer 1", 16, 16, 1.0)
+
+
+def test_arena_overflow_names_the_load_as_a_factor_of_the_balanced_rows():
+    """Both arena messages give the busiest load over a layer's balanced rows (24 / 16 = 1.50x)."""
+    from megatron_ext.moe.overflow import CapacityExceeded
+
+    guard, sinks = _guard_with_sinks()
+    for view_rows in (24, 23):
+        sinks.add(_route_metrics([12, 12, 1, 1], [8, 8, 1, 1]), ep_size=2)  # rank 0 asked for 24 rows
+        with pytest.raises(CapacityExceeded, match=r"the largest load seen was 1\.50x a layer's balanced rows"):
+            guard.check("layer 2", 16, 16, 1.0, arena_view=(view_rows, "--moe-ext-arena-region-factor"))

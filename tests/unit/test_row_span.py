@@ -39,3 +39,15 @@ def test_arena_spill_kernel_and_torch_form_equal_a_loop():
     from tests.unit.interpreter import run_under_interpreter
 
     assert "64 cases, 0 failures" in run_under_interpreter("_arena_spill_interp.py")
+
+
+def test_spill_arrays_refuse_a_shared_area_not_laid_out_as_its_rows():
+    """The spill kernel indexes every shared array with the token rows' shared row numbers: a shared
+    array with fewer rows, or a strided one, is refused (the view side is checked elsewhere)."""
+    from megatron_ext.kernels.arena_spill import SpillArrays
+
+    rows, values = torch.zeros(10, 4), torch.zeros(10)
+    with pytest.raises(ValueError, match="values have 10 view and 5 shared rows, the token rows 10 and 6"):
+        SpillArrays(rows, rows[:6], values, values[:5])
+    with pytest.raises(ValueError, match="the rows arrays must be contiguous"):
+        SpillArrays(rows, torch.zeros(4, 6).t(), values, values[:6])

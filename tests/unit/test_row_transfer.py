@@ -208,3 +208,92 @@ def test_get_rows_in_place_rejects_bad_sources():
     with pytest.raises(ValueError, match="the source values must be a contiguous float32 \\[5\\]"):
         get_rows(torch.zeros(5, 8), dest_rank, dest_row, out, value_table=torch.zeros(4),
                  values_out=torch.zeros(3, 2), in_place=True)
+
+
+def test_peer_table_rejects_no_buffers_other_dtypes_and_strided_buffers():
+    """The kernels read every peer as contiguous [C, H] rows of one dtype from its base address: a
+    peer of another dtype or a strided view would be read at the wrong offsets, so both are refused."""
+    with pytest.raises(ValueError, match="at least one buffer"):
+        peer_table_from_buffers([])
+    with pytest.raises(ValueError, match="buffer 1 is .* torch.bfloat16 .*every peer buffer must be"):
+        peer_table_from_buffers([torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="buffer 0 is not contiguous"):
+        peer_table_from_buffers([torch.zeros(8, 4).t()])
+
+
+def test_get_rows_rejects_a_bad_buffer_dtype_or_gathered_layout():
+    """A buffer dtype the kernel has no type for, and a gathered output it would index as contiguous
+    [T, K, H] rows of a float dtype on out's device, are refused before the launch."""
+    dest_rank, dest_row = _routes()
+    table, out = torch.zeros(2, dtype=torch.int64), torch.zeros(3, 8)
+    with pytest.raises(TypeError, match="get_rows: buffer_dtype torch.int32 not supported"):
+        get_rows(table, dest_rank, dest_row, out, buffer_dtype=torch.int32)
+    with pytest.raises(ValueError, match="gathered is not contiguous"):
+        get_rows(table, dest_rank, dest_row, out, gathered=torch.zeros(8, 2, 3).permute(2, 1, 0))
+    with pytest.raises(TypeError, match="gathered dtype torch.int32 not supported"):
+        get_rows(table, dest_rank, dest_row, out, gathered=torch.zeros(3, 2, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="gathered is on meta, out on cpu"):
+        get_rows(table, dest_rank, dest_row, out, gathered=torch.zeros(3, 2, 8, device="meta"))
+
+
+def test_launch_options_are_checked_before_a_launch(monkeypatch):
+    """Checks that come after check_runnable (so only a CUDA or interpreter run reaches them): a block
+    that is not a power of two and an own-rows table of more than one entry or without the owners'
+    capacity. With TRITON_INTERPRET=1 in the environment the launch is allowed, so reaching the
+    error proves it is raised before any kernel runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dest_rank, dest_row = _routes()
+    src, out = torch.zeros(3, 64), torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="block_h must be a power of two, got 48"):
+        put_rows(src, dest_rank, dest_row, torch.zeros(2, dtype=torch.int64), block_h=48)
+    with pytest.raises(ValueError, match="block_h must be a power of two, got 24"):
+        get_rows(torch.zeros(2, dtype=torch.int64), dest_rank, dest_row, out, block_h=24)
+    with pytest.raises(ValueError, match="own_rows_of needs a one-entry table .* got a table of 2"):
+        get_rows(torch.zeros(2, dtype=torch.int64), dest_rank, dest_row, out, capacity=4, own_rows_of=2)
+    with pytest.raises(ValueError, match="own_rows_of needs a one-entry table .* capacity None"):
+        get_rows(torch.zeros(1, dtype=torch.int64), dest_rank, dest_row, out, own_rows_of=2)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("src_noncontig", r"src must be a contiguous \[C, H\]"),
+    ("ids_short", "return_ids must be contiguous int32 with >= 4 entries"),
+    ("ids_int64", "return_ids must be contiguous int32"),
+    ("count_int64", "count must be a device int32 count, got torch.int64"),
+    ("count_empty", "count must be a device int32 count"),
+    ("values_short", r"values_src must be a contiguous float32 \[4\], got torch.float32 \(3,\)"),
+    ("values_fp16", r"values_src must be a contiguous float32 \[4\]"),
+])
+def test_put_rows_back_rejects_bad_arguments(case, match):
+    """put_rows_back reads return_ids[r], values_src[r] for every row r < count of src [C, H]: each is
+    checked to cover C rows (a shorter array would be read past its end) and the count to be int32."""
+    from megatron_ext.kernels.row_transfer import put_rows_back
+
+    src, ids, count = torch.zeros(4, 8), torch.zeros(4, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    values = (torch.zeros(4), torch.zeros(1, dtype=torch.int64))
+    if case == "src_noncontig":
+        src = torch.zeros(8, 4).t()
+    elif case == "ids_short":
+        ids = ids[:3]
+    elif case == "ids_int64":
+        ids = ids.long()
+    elif case == "count_int64":
+        count = count.long()
+    elif case == "count_empty":
+        count = count[:0]
+    elif case == "values_short":
+        values = (torch.zeros(3), values[1])
+    elif case == "values_fp16":
+        values = (torch.zeros(4, dtype=torch.float16), values[1])
+    with pytest.raises(ValueError, match=match):
+        put_rows_back(src, ids, count, torch.zeros(1, dtype=torch.int64), routes=4, values=values)
+
+
+def test_copy_rows_below_refuses_a_strided_destination_or_another_device():
+    """The kernel writes dst as contiguous rows: a transposed dst, or a bound on another device, is refused."""
+    from megatron_ext.kernels.row_transfer import copy_rows_below
+
+    bound = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="src and dst must be contiguous"):
+        copy_rows_below(torch.zeros(5, 5), torch.zeros(5, 5).t(), bound)
+    with pytest.raises(ValueError, match="must share a device"):
+        copy_rows_below(torch.zeros(5, 8), torch.zeros(5, 8), bound.to("meta"))
