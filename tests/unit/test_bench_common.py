@@ -303,3 +303,102 @@ def test_every_tool_that_writes_a_result_takes_results_dir(tmp_path):
     args = parser.parse_args(["--results-dir", str(tmp_path)])
     path = write_result("probe", {"x": 1}, args.results_dir)
     assert path.parent == tmp_path and json.loads(path.read_text())["result"] == {"x": 1}
+
+
+def test_credited_flops_of_a_path_that_dropped_every_route():
+    """The bound is inclusive: a step whose every route was dropped did no expert work and is
+    credited 0 (a valid, if bad, measurement), not refused; a quarter dropped keeps 3/4."""
+    from megatron_ext.bench.flops import credited_flops
+
+    assert credited_flops(1000.0, routes=4, dropped_routes=4) == 0.0
+    assert credited_flops(1000.0, routes=4, dropped_routes=1) == 750.0
+    with pytest.raises(ValueError):
+        credited_flops(1000.0, routes=4, dropped_routes=-1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback of cuda_time_ms")
+def test_cuda_time_ms_on_cpu_warms_up_once_then_times_iters():
+    """Without CUDA, cuda_time_ms falls back to wall time: `warmup` untimed calls, then `iters`
+    timed ones; the warm-up is neither skipped nor run a second time by the fallback."""
+    from megatron_ext.bench.measurement import cuda_time_ms
+
+    calls = []
+    times = cuda_time_ms(lambda: calls.append(1), warmup=2, iters=4)
+    assert len(times) == 4 and len(calls) == 2 + 4
+
+
+def test_host_time_ms_is_in_milliseconds(monkeypatch):
+    """Per-iteration times are milliseconds: a call that takes 2.5 ms on a simulated perf_counter
+    (seconds, as time.perf_counter) reads 2.5, not 2500 or 0.0025."""
+    import types
+
+    from megatron_ext.bench import measurement
+
+    clock = [100.0]
+    monkeypatch.setattr(measurement, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def step():
+        clock[0] += 0.0025
+
+    assert measurement.host_time_ms(step, warmup=1, iters=3) == pytest.approx([2.5, 2.5, 2.5])
+
+
+def test_interleaved_ms_min_max_span_every_round():
+    """min_ms..max_ms are over all rounds, wherever the extreme falls (here the middle round, not
+    the last or the first), and ratio_in_rounds counts every round."""
+    from megatron_ext.bench.measurement import interleaved_ms, ratio_in_rounds
+
+    times = iter([10.0, 9.0, 10.0, 14.0, 10.0, 11.0])  # rounds of (a, b)
+
+    def timer(step, warmup, iters):
+        return [next(times)]
+
+    result = interleaved_ms({"a": None, "b": None}, rounds=3, iters=1, timer=timer)
+    assert (result["b"]["min_ms"], result["b"]["median_ms"], result["b"]["max_ms"]) == (9.0, 11.0, 14.0)
+    assert ratio_in_rounds(result, "b", "a")["rounds"] == 3
+
+
+def test_result_env_records_every_field():
+    """A result file's env holds exactly these fields (a dropped one silently leaves published
+    numbers without their device count, Python or host); on CPU the values are the platform's."""
+    import platform
+
+    from megatron_ext.bench.results import env_info
+
+    env = env_info()
+    assert set(env) == {"device", "device_count", "torch", "triton", "megatron_core", "cuda", "python", "host",
+                        "date"}
+    assert env["python"] == platform.python_version() and env["host"] == platform.node()
+    assert env["torch"] == torch.__version__
+    if not torch.cuda.is_available():
+        assert env["device_count"] == 0 and env["device"].startswith("cpu (")
+
+
+def test_three_results_within_one_second_keep_three_files(monkeypatch, tmp_path):
+    """Results written within the same second get -1, -2, ... suffixes: none overwrites another
+    (a clock frozen at one second makes every stamp the same)."""
+    import datetime
+    import types
+
+    from megatron_ext.bench import results
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2024, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(results, "datetime", types.SimpleNamespace(datetime=Frozen))
+    paths = [results.write_result("demo", {"run": i}, results_dir=tmp_path) for i in range(3)]
+    assert [p.name for p in paths] == ["demo_20240102-030405.json", "demo_20240102-030405-1.json",
+                                       "demo_20240102-030405-2.json"]
+    assert [json.loads(p.read_text())["result"]["run"] for p in paths] == [0, 1, 2]
+
+
+def test_device_gaps_lists_the_longest_gaps_first():
+    """With `top` shorter than the gap list, the gaps kept are the longest, longest first:
+    gaps (us) a->b 2, b->c 5, c->d 1; top=2 keeps b->c then a->b."""
+    intervals = [(0, 10, "a"), (12, 20, "b"), (25, 30, "c"), (31, 40, "d")]
+    timeline = device_gaps(intervals, iters=1, top=2)
+    assert timeline["top_gaps"] == [{"us": 5, "after": "b", "before": "c"}, {"us": 2, "after": "a", "before": "b"}]
+    assert timeline["gaps_per_iter"] == 3  # every gap is counted, not only the listed ones
+    assert timeline["idle_ms_per_iter"] == pytest.approx(8 / 1e3)

@@ -341,3 +341,61 @@ def test_the_bounded_paths_overflow_reaches_the_row_and_the_table(capsys):
     out = capsys.readouterr().out
     assert "rowwise_symm_bounded: overflowed its bound: MoE layer 1 received more routes" in out
     assert out.count("overflowed its bound") == 1
+
+
+def _ep_rank(path="rowwise_symm", **fields):
+    rank = {"path": path, "routing_digest": "a", "layer_ms": [1.0], "memory": None, "blocking_cuda_calls": 0,
+            "out_rel_diff_vs_first_path": None}
+    rank.update(fields)
+    return rank
+
+
+def test_summary_takes_every_rank_and_iteration_into_its_figures():
+    """Rank-skewed measurements, so that each figure's rule shows (by hand): the layer time is the
+    median over all ranks' iterations (1,2,2.5,3,4,4,4 -> 3, not the median of rank medians 2.5), the
+    slowest rank's median is the max (4), the phase medians run over every rank (1,1,5,5 -> 3), the
+    sync count and output difference are the worst rank's, the drops are summed over ranks and the
+    buffer fill is the median over ranks."""
+    from megatron_ext.bench.ep_report import summarize
+
+    ranks = [
+        _ep_rank(layer_ms=[1.0, 2.0, 3.0], phases=[{"dispatch_combine": 1.0}] * 2, blocking_cuda_calls=0,
+                 out_rel_diff_vs_first_path=1e-3, dropped_routes_per_step=5, mean_buffer_fill=0.5, capacity_rows=8),
+        _ep_rank(layer_ms=[4.0, 4.0, 4.0], phases=[{"dispatch_combine": 5.0}] * 2, blocking_cuda_calls=3,
+                 out_rel_diff_vs_first_path=2e-3, dropped_routes_per_step=3, mean_buffer_fill=0.9, capacity_rows=8),
+        _ep_rank(layer_ms=[2.5], phases=[], blocking_cuda_calls=None, out_rel_diff_vs_first_path=None,
+                 dropped_routes_per_step=1, mean_buffer_fill=0.7, capacity_rows=8),
+    ]
+    row = summarize(ranks, flops=1)
+    assert row["layer_fwd_bwd_ms"] == 3.0  # 1, 2, 2.5, 3, 4, 4, 4; rank medians 2, 4, 2.5
+    assert row["layer_fwd_bwd_ms_slowest_rank"] == 4.0
+    assert row["phases_ms"] == {"dispatch_combine": 3.0} and row["dispatch_combine_ms"] == 3.0
+    assert row["blocking_cuda_calls_max_rank"] == 3
+    assert row["out_rel_diff_vs_first_path_max_rank"] == 2e-3
+    assert row["dropped_routes_per_step_all_ranks"] == 9
+    assert row["mean_buffer_fill"] == 0.7
+
+
+def test_layer_ratios_are_rowwise_over_megatron():
+    """rowwise_symm's layer time over each grouped-GEMM Megatron path's: 5 ms over 10 ms is 0.5."""
+    from megatron_ext.bench.ep_report import layer_ratios
+
+    rows = [{"path": "rowwise_symm", "layer_fwd_bwd_ms": 5.0},
+            {"path": "megatron_alltoall_gg", "layer_fwd_bwd_ms": 10.0},
+            {"path": "megatron_flex_deepep_gg", "layer_fwd_bwd_ms": 4.0}]
+    assert layer_ratios(rows) == {"rowwise_symm/megatron_alltoall_gg": 0.5,
+                                  "rowwise_symm/megatron_flex_deepep_gg": 1.25}
+
+
+@pytest.mark.parametrize("ratio,shorter_by,verdict", [(0.6, 0.4, "MET"), (0.65, 0.35, "MET"), (0.7, 0.3, "NOT MET")])
+def test_issue_11_target_is_35_percent_shorter(ratio, shorter_by, verdict, capsys):
+    """The printed verdict: MET when rowwise symm's dispatch+combine is at least 35% shorter than
+    Megatron alltoall's (ratio <= 0.65), NOT MET otherwise."""
+    from megatron_ext.bench.ep_paths import Shape
+    from megatron_ext.bench.ep_report import print_table
+
+    shape = Shape(sequences=1, seq_length=8, experts=4, topk=2, hidden=32, ffn=16)
+    ratios = {"rowwise_symm/megatron_alltoall": {"ratio": ratio, "shorter_by": shorter_by}}
+    print_table([], ratios, shape, 2, True)
+    target = [line for line in capsys.readouterr().out.splitlines() if line.startswith("issue 11 target")]
+    assert len(target) == 1 and target[0].endswith(": " + verdict), target

@@ -83,3 +83,19 @@ def test_missing_nvidia_smi_is_reported_and_the_block_runs(tmp_path):
     assert ran == [True]
     summary = clocks.summary()
     assert summary["samples"] == 0 and "could not start" in summary["unavailable"]
+
+
+def test_every_thermal_or_hardware_reason_counts_as_slowed():
+    """NVML's HW slowdown (0x8), SW thermal (0x20), HW thermal (0x40) and HW power brake (0x80) each
+    mark a sample as slowed; the SW power cap (0x4) and idle (0x1) do not."""
+    for bit in (0x8, 0x20, 0x40, 0x80):
+        summary = summarize([Sample(1500.0, 700.0, bit, 700.0), Sample(1980.0, 300.0, 0x1, 700.0)])
+        assert summary["thermal_fraction"] == 0.5, hex(bit)
+        assert summary["power_capped_fraction"] == 0.0, hex(bit)
+
+
+def test_power_limit_is_the_median_of_the_samples_limits():
+    """A limit that changed during the block (600 -> 700 -> 650 W) is reported as the median, 650."""
+    samples = [Sample(1700.0, 500.0, 0x0, 600.0), Sample(1700.0, 500.0, 0x0, 700.0), Sample(1700.0, 500.0, 0x0, 650.0),
+               Sample(1700.0, 500.0, None, None)]
+    assert summarize(samples)["power_limit_w"] == 650.0

@@ -131,3 +131,20 @@ def test_busy_ratios_against_megatron():
     assert ratios == pytest.approx({"megatron": 1.0, "rowwise": 2.0})
     assert busy_ratios({"rowwise": fast}) == {}  # no Megatron profile: nothing to compare
     assert busy_ratios({"megatron": {"failed": "x"}, "rowwise": fast}) == {}
+
+
+def test_category_shares_and_fills_count():
+    """A fill (gpu_memset) is device time like a kernel or copy: it counts in the kernel total and
+    in its own category. Each category's share is its time over the total, by hand per step (us):
+    Triton 20, grouped GEMM 100, GEMM 40, other 5, copies 2, fills 3 = 170."""
+    events = two_steps()
+    events += [kernel("Memset (Device)", base + 170, 3, cat="gpu_memset") for base in (11000, 12000)]
+    summary = summarize_trace(events)
+    assert summary["device_ms_per_step"] == pytest.approx(0.170)
+    assert summary["categories"]["fills"]["ms_per_step"] == pytest.approx(0.003)
+    shares = {name: entry["share"] for name, entry in summary["categories"].items()}
+    assert shares == pytest.approx({"megatron_ext Triton kernels": 20 / 170, "grouped GEMM (experts)": 100 / 170,
+                                    "GEMM (cuBLAS, CUTLASS)": 40 / 170,
+                                    "other (elementwise, norms, reductions, loss)": 5 / 170,
+                                    "copies": 2 / 170, "fills": 3 / 170})
+    assert summary["timeline"]["busy_ms_per_iter"] == pytest.approx(0.170)  # [170, 173) is busy too
