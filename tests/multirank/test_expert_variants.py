@@ -478,16 +478,20 @@ def test_clamp_order_follows_the_experts_class_megatron_would_build():
         assert not torch.allclose(out, unfused[2], rtol=1e-3, atol=1e-3), "the clamp must bite in this case"
 
 
-def _te_activation_rank(rank, world):
-    import logging as logging_module
-
+def _said_by(logger_name: str) -> list[str]:
+    """The messages `logger_name` logs from now on, with warn_once's memory cleared."""
     from megatron_ext import quiet
 
     said = []
-    handler = logging_module.Handler()
+    handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
-    logging_module.getLogger("megatron_ext.moe.experts").addHandler(handler)
+    logging.getLogger(logger_name).addHandler(handler)
     quiet._WARNED.clear()
+    return said
+
+
+def _te_activation_rank(rank, world):
+    said = _said_by("megatron_ext.moe.experts")
     for use_te in (False, True):
         DeviceOffsetGroupedMLP(4, variant_config("swiglu", hidden=32, ffn=16, experts=4, use_te_activation_func=use_te))
     return said
@@ -499,15 +503,7 @@ def test_te_activation_modules_are_said_to_be_ignored():
 
 
 def _swiglu_clamp_fusion_rank(rank, world):
-    import logging as logging_module
-
-    from megatron_ext import quiet
-
-    said = []
-    handler = logging_module.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging_module.getLogger("megatron_ext.moe.expert_activation").addHandler(handler)
-    quiet._WARNED.clear()
+    said = _said_by("megatron_ext.moe.expert_activation")
     counts = torch.tensor([6, 3, 0, 7])
     x = torch.randn(int(counts.sum()), 32, generator=torch.Generator().manual_seed(8))
     outs = {}
