@@ -262,10 +262,15 @@ def test_launch_options_are_checked_before_a_launch(monkeypatch):
     ("count_empty", "count must be a device int32 count"),
     ("values_short", r"values_src must be a contiguous float32 \[4\], got torch.float32 \(3,\)"),
     ("values_fp16", r"values_src must be a contiguous float32 \[4\]"),
+    ("peer_table_int32", r"peer_table must be a non-empty int64 \[M\]"),
+    ("value_table_short", r"value_table must be an int64 \[1\] table like peer_table"),
+    ("ids_elsewhere", r"must be on src's device cpu, got \['meta', 'cpu', 'cpu', 'cpu', 'cpu'\]"),
+    ("count_elsewhere", r"must be on src's device cpu, got \['cpu', 'meta'"),
 ])
 def test_put_rows_back_rejects_bad_arguments(case, match):
     """put_rows_back reads return_ids[r], values_src[r] for every row r < count of src [C, H]: each is
-    checked to cover C rows (a shorter array would be read past its end) and the count to be int32."""
+    checked to cover C rows (a shorter array would be read past its end), the count to be int32, the
+    tables to be int64 address tables, and everything on src's device."""
     from megatron_ext.kernels.row_transfer import put_rows_back
 
     src, ids, count = torch.zeros(4, 8), torch.zeros(4, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
@@ -284,8 +289,15 @@ def test_put_rows_back_rejects_bad_arguments(case, match):
         values = (torch.zeros(3), values[1])
     elif case == "values_fp16":
         values = (torch.zeros(4, dtype=torch.float16), values[1])
+    peer_table = torch.zeros(1, dtype=torch.int32 if case == "peer_table_int32" else torch.int64)
+    if case == "value_table_short":
+        values = (values[0], values[1][:0])
+    elif case == "ids_elsewhere":  # a device the kernel could not read from src's (meta: no data needed)
+        ids = torch.zeros(4, dtype=torch.int32, device="meta")
+    elif case == "count_elsewhere":
+        count = torch.zeros(1, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match=match):
-        put_rows_back(src, ids, count, torch.zeros(1, dtype=torch.int64), routes=4, values=values)
+        put_rows_back(src, ids, count, peer_table, routes=4, values=values)
 
 
 def test_copy_rows_below_refuses_a_strided_destination_or_another_device():
