@@ -101,6 +101,38 @@ def _check_common_uncached(op, rows_like, dest_rank, dest_row, peer_table, per_r
     return T, K, H
 
 
+def check_put_rows_back(src, return_ids, count, peer_table, values) -> None:
+    """put_rows_back's arguments (row_transfer.py): src [C, H] rows, return_ids and values_src covering
+    C rows, an int32 device count, int64 address tables, everything on src's device. Cached per
+    layout like check_common (the call is on the per-layer path)."""
+    key = ("put_rows_back", layout(src), layout(return_ids), layout(count), layout(peer_table),
+           *(layout(t) for t in values or ()))
+    if key in VALIDATED:
+        return
+    require(src.dim() == 2 and src.is_contiguous() and src.dtype in BUFFER_DTYPES,
+            f"put_rows_back: src must be a contiguous [C, H] of {BUFFER_DTYPES}, got {src.dtype} {tuple(src.shape)}")
+    require(return_ids.dtype == torch.int32 and return_ids.shape[0] >= src.shape[0] and return_ids.is_contiguous(),
+            f"put_rows_back: return_ids must be contiguous int32 with >= {src.shape[0]} entries, got "
+            f"{return_ids.dtype} {tuple(return_ids.shape)}")
+    require(count.dtype == torch.int32 and count.numel() >= 1,
+            f"put_rows_back: count must be a device int32 count, got {count.dtype} of {count.numel()} elements")
+    require(peer_table.dtype == torch.int64 and peer_table.dim() == 1 and peer_table.numel() > 0,
+            f"put_rows_back: peer_table must be a non-empty int64 [M] of base addresses (peer_table_from_buffers), "
+            f"got {peer_table.dtype} {tuple(peer_table.shape)}")
+    if values is not None:
+        require(values[0].dtype == torch.float32 and values[0].shape == (src.shape[0],) and values[0].is_contiguous(),
+                f"put_rows_back: values_src must be a contiguous float32 [{src.shape[0]}], got {values[0].dtype} "
+                f"{tuple(values[0].shape)}")
+        require(values[1].dtype == torch.int64 and values[1].shape == peer_table.shape,
+                f"put_rows_back: value_table must be an int64 [{peer_table.numel()}] table like peer_table, got "
+                f"{values[1].dtype} {tuple(values[1].shape)}")
+    on_src_device = (return_ids, count, peer_table) + (() if values is None else values)
+    require(all(t.device == src.device for t in on_src_device),
+            f"put_rows_back: return_ids, count, the tables and values_src must be on src's device {src.device}, got "
+            f"{[str(t.device) for t in on_src_device]}")
+    VALIDATED.add(key)
+
+
 def check_return_table(op, return_table, peer_table) -> None:
     """A dispatch PUT's return table: the owners' [C] int64 arrays, one address per peer like peer_table."""
     if return_table is None or (return_table.shape == peer_table.shape and return_table.dtype == torch.int64

@@ -32,7 +32,8 @@ import functools
 
 import torch
 
-from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_return_table,
+from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_put_rows_back,
+                                             check_return_table,
                                              check_runnable, layout, require, row_bound)
 
 try:
@@ -288,27 +289,7 @@ def put_rows_back(src: torch.Tensor, return_ids: torch.Tensor, count: torch.Tens
     that rank's [routes, H] buffer. With `values` = (values_src [C] fp32, value_table), each row's
     value goes to the same route of the owner's [routes] fp32 array. Ids outside
     [0, routes * M) write nothing."""
-    require(src.dim() == 2 and src.is_contiguous() and src.dtype in BUFFER_DTYPES,
-            f"put_rows_back: src must be a contiguous [C, H] of {BUFFER_DTYPES}, got {src.dtype} {tuple(src.shape)}")
-    require(return_ids.dtype == torch.int32 and return_ids.shape[0] >= src.shape[0] and return_ids.is_contiguous(),
-            f"put_rows_back: return_ids must be contiguous int32 with >= {src.shape[0]} entries, got "
-            f"{return_ids.dtype} {tuple(return_ids.shape)}")
-    require(count.dtype == torch.int32 and count.numel() >= 1,
-            f"put_rows_back: count must be a device int32 count, got {count.dtype} of {count.numel()} elements")
-    require(peer_table.dtype == torch.int64 and peer_table.dim() == 1 and peer_table.numel() > 0,
-            f"put_rows_back: peer_table must be a non-empty int64 [M] of base addresses (peer_table_from_buffers), "
-            f"got {peer_table.dtype} {tuple(peer_table.shape)}")
-    if values is not None:
-        require(values[0].dtype == torch.float32 and values[0].shape == (src.shape[0],) and values[0].is_contiguous(),
-                f"put_rows_back: values_src must be a contiguous float32 [{src.shape[0]}], got {values[0].dtype} "
-                f"{tuple(values[0].shape)}")
-        require(values[1].dtype == torch.int64 and values[1].shape == peer_table.shape,
-                f"put_rows_back: value_table must be an int64 [{peer_table.numel()}] table like peer_table, got "
-                f"{values[1].dtype} {tuple(values[1].shape)}")
-    on_src_device = (return_ids, count, peer_table) + (() if values is None else values)
-    require(all(t.device == src.device for t in on_src_device),
-            f"put_rows_back: return_ids, count, the tables and values_src must be on src's device {src.device}, got "
-            f"{[str(t.device) for t in on_src_device]}")
+    check_put_rows_back(src, return_ids, count, peer_table, values)
     check_runnable("put_rows_back", src)
     rows, H = src.shape
     if rows == 0 or H == 0:

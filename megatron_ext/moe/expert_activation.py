@@ -75,9 +75,9 @@ class ExpertActivation:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         gated, clamp = bool(config.gated_linear_unit), config.activation_func_clamp_value
-        fused_quick_geglu = bool(config.bias_activation_fusion) and gated and config.activation_func is quick_gelu
-        fused_swiglu = bool(config.bias_activation_fusion) and gated and config.activation_func is F.silu
-        if fused_swiglu and clamp is not None:
+        fused_glu = bool(config.bias_activation_fusion) and gated
+        fused_quick_geglu = fused_glu and config.activation_func is quick_gelu
+        if fused_glu and config.activation_func is F.silu and clamp is not None:
             warn_once(logger, f"megatron_ext: activation_func_clamp_value={clamp} is not applied: SwiGLU under "
                       "bias_activation_fusion runs Megatron's fused kernel, which has no clamp (megatron-core "
                       "0.19.2's experts ignore it too); set bias_activation_fusion=False (--no-bias-swiglu-fusion) "
