@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_ext.kernels.route_checks import check_plan_inputs, check_selection
+
 BLOCK_TOKENS = 32
 
 
@@ -224,6 +226,7 @@ def select_routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
     """[T, E] bool routing map and [T, E] probs -> (top_idx [T, K] int32 ascending, top_probs [T, K]
     fp32, counts [E] int32, block histograms [B, E] int32, non-finite count [] int32). Not differentiable;
     see megatron_ext.moe.fused_routes for the autograd wrapper."""
+    check_selection(routing_map, probs, topk)
     num_tokens, num_experts = routing_map.shape
     top_idx, top_probs, counts_and_nonfinite, hist = selection_outputs(num_tokens, num_experts, topk,
                                                                        routing_map.device)
@@ -264,6 +267,8 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
     `arena` (moe/arena.ArenaCursor): the capacities come from its cursor, which the launch moves.
     `sinks` (moe/metric_sinks.MetricSinks): the launch adds `packed` into them (what `sinks.add`
     does in torch)."""
+    check_plan_inputs(routing_map, hist, nonfinite, requested_all, topk, dest_capacity,
+                      triton.cdiv(routing_map.shape[0], BLOCK_TOKENS) if routing_map.dim() == 2 else 0)
     m = requested_all.shape[0]
     if sinks is not None:
         sinks.check(routing_map.shape[1], m, routing_map.device)
