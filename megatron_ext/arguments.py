@@ -122,7 +122,8 @@ FLAGS: tuple[ExtFlag, ...] = (
     ExtFlag("lease_slots", "--moe-ext-lease-slots", "value", type=int, metavar="N",
             help="Dispatch-buffer slots per MoE layer (microbatches in flight per layer) of the symm transport, "
                  "the dropless arena and the CUDA-graph runner; raise it for pipeline schedules that keep several "
-                 "microbatches of a layer alive. The torch and deepep transports need none (refused there)."),
+                 "microbatches of a layer alive. The torch and deepep transports need none (refused there "
+                 "unless the arena or the graph runner is on)."),
     ExtFlag("peer_timeout_s", "--moe-ext-peer-timeout-s", "value", type=float, metavar="SECONDS",
             help="How long a rank of the symm transport waits on its expert-parallel peers in a device barrier "
                  "(count exchange, row transfers) before it stops with a message naming the phase and the group. "

@@ -87,7 +87,7 @@ class MoEExtConfig:
         device barrier (count exchange, transfers) before it ends with a message naming the phase;
         None follows Megatron's --distributed-timeout-minutes (else torch's default process-group
         timeout, 30 min). The torch transport's waits are process-group collectives, bounded by the
-        group's own timeout (--distributed-timeout-minutes): refused with transport="torch".
+        group's own timeout (--distributed-timeout-minutes): refused with transport="torch" or "deepep".
     pin_host_threads: keep the threads that submit the layer's work (the main thread, PyTorch's
         autograd thread) on one CPU core, this rank's share of its allowed cores
         (megatron_ext/host_affinity.py; Linux). In the one kept run timed in turns the eager layer's

@@ -20,7 +20,8 @@ arguments, the script's folder first on `sys.path` as `python script.py` would h
    megatron.training's `gpt_config_from_args` imports it with `import_module(args.spec)` and
    `GPTModelBuilder.build_model` calls it as `gpt_block_spec(model_config, vp_stage=...)`.
 
-This module is the only place that touches Megatron's training internals. Written against
+This module is the one place that touches Megatron's launch internals (argument parsing, the
+spec hook); other concerns have their own (docs/design.md lists them). Written against
 megatron-core 0.19.2 (megatron.training as shipped in that wheel, identical to Megatron-LM tag
 core_v0.19.0); `check_megatron_hook_points()` raises MegatronInternalsChanged, naming what
 moved, and runs on every launch and in the unit tests.

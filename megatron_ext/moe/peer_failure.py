@@ -8,7 +8,7 @@ a peer dies (OOM, node fault, preemption) or stalls, the survivors must not spin
 - Collectives are bounded by the process group's own timeout (Megatron's
   --distributed-timeout-minutes); a dead peer usually fails them at once. `named_phase` turns the
   backend's error into `PeerFailure` naming the phase, this rank and the group.
-- Device barriers: the barrier kernel gets the same timeout (`timeout_ms`; after it the kernel
+- Device barriers: the barrier kernel gets twice the timeout (`timeout_ms`, a backstop; after it the kernel
   traps and the next CUDA call fails), and `BarrierWatchdog` records an event after each eager
   barrier; a host thread that sees one still pending after the timeout prints which phase and
   which ranks, then ends the process with exit code 1 (the device cannot be trusted after a
