@@ -10,6 +10,7 @@ routes, counted as dropped. NaN/Inf probabilities: only the selected routes' are
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -193,6 +194,67 @@ def check_nonfinite_probabilities() -> None:
     print("ok non-finite probabilities")
 
 
+def check_select_against_loops() -> None:
+    """The select kernel against Python loops over each token's selected experts: a token with more
+    than K selected keeps its K lowest ids (the rest are not routes: not counted, no gradient, not
+    routed) and one with fewer gets -1 slots; the non-finite count is the selected routes' NaN, +Inf
+    and -Inf probabilities, whatever the unselected experts hold. Three blocks of tokens."""
+    from megatron_ext.kernels.route_plan import BLOCK_TOKENS
+    from megatron_ext.moe import fused_routes
+    from megatron_ext.moe.route_map import route
+
+    num_tokens, num_experts, topk = 70, 12, 3
+    gen = torch.Generator().manual_seed(41)
+    routing_map, probs = routing(num_tokens, num_experts, topk, 0.0, 41)
+    probs = probs.detach()
+    for token, extra in ((4, 1), (31, 2), (32, 1), (50, 1)):  # over-full: two at a block's last and first token
+        free = (~routing_map[token]).nonzero()[:, 0]
+        routing_map[token, free[torch.randperm(len(free), generator=gen)[:extra]]] = True
+    routing_map[10, routing_map[10].nonzero()[0, 0]] = False  # one short token
+    specials = (float("nan"), float("inf"), float("-inf"))
+    for token in range(num_tokens):  # a non-finite value at a random expert, selected or not
+        probs[token, int(torch.randint(0, num_experts, (), generator=gen))] = specials[token % 3]
+    top_idx, top_probs, selection = fused_routes.select(routing_map, probs, topk)
+
+    want_idx = torch.full((num_tokens, topk), -1, dtype=torch.long)
+    want_probs = torch.zeros(num_tokens, topk)
+    want_counts = [0] * num_experts
+    want_hist = [[0] * num_experts for _ in range((num_tokens + BLOCK_TOKENS - 1) // BLOCK_TOKENS)]
+    want_nonfinite = 0
+    for t in range(num_tokens):
+        chosen = [e for e in range(num_experts) if routing_map[t, e]][:topk]
+        for k, e in enumerate(chosen):
+            want_idx[t, k], want_probs[t, k] = e, probs[t, e]
+            want_counts[e] += 1
+            want_hist[t // BLOCK_TOKENS][e] += 1
+            want_nonfinite += not math.isfinite(float(probs[t, e]))
+    assert torch.equal(top_idx.long(), want_idx), "top-k ids of over-full or short tokens"
+    assert torch.equal(top_probs.nan_to_num(7.0, 8.0, 9.0), want_probs.nan_to_num(7.0, 8.0, 9.0)), "top-k probs"
+    assert selection.counts.tolist() == want_counts, (selection.counts.tolist(), want_counts)
+    assert selection.block_hist.tolist() == want_hist, "block histograms"
+    assert int(selection.nonfinite) == want_nonfinite, (int(selection.nonfinite), want_nonfinite)
+    selected_minus_inf = (routing_map & (probs == float("-inf"))).any(dim=1).sum()
+    assert selected_minus_inf >= 3, "too few selected -Inf probabilities to test"
+
+    grad_top = torch.randn(num_tokens, topk, generator=gen)
+    leaf = probs.clone().requires_grad_(True)
+    _, got_probs, _ = fused_routes.select(routing_map, leaf, topk)
+    (got_probs * grad_top).sum().backward()
+    want_grad = torch.zeros(num_tokens, num_experts)
+    for t in range(num_tokens):
+        for k in range(topk):
+            if want_idx[t, k] >= 0:
+                want_grad[t, want_idx[t, k]] = grad_top[t, k]
+    assert torch.equal(leaf.grad, want_grad), "gradient at an unrouted selected expert"
+
+    got = fused_routes.route(selection, topk, 14, gather_counts=lambda counts: counts[None], ep_rank=0)
+    want = route(want_idx, num_experts, 14, ep_rank=0, probs=want_probs)
+    for name in ("dest_rank", "dest_row", "recv_counts", "recv_offsets"):
+        assert torch.equal(getattr(got, name).long(), getattr(want, name).long()), f"over-full tokens: {name}"
+    assert torch.equal(got.metrics.packed, want.metrics.packed), "over-full tokens: metrics"
+    print("ok select against loops (over-full and short tokens, +-Inf and NaN probabilities)")
+
+
 def main() -> int:
     from tests.unit.interpreter import interpreter_ready
 
@@ -216,6 +278,7 @@ def main() -> int:
             check_arena_case(*case[:5], skew=case[6], seed=10 * seed + 7, spills=spills)
     check_short_token()
     check_nonfinite_probabilities()
+    check_select_against_loops()
     # A rank with no tokens: one program still writes the plan, the metrics and the cursor.
     check_case(0, 8, 2, 2, 1, 20, 0.0, seed=91)
     check_arena_case(0, 8, 2, 2, 1, 0.0, seed=93, spills=True)
