@@ -41,6 +41,14 @@ def test_arena_spill_kernel_and_torch_form_equal_a_loop():
     assert "64 cases, 0 failures" in run_under_interpreter("_arena_spill_interp.py")
 
 
+def test_row_span_kernel_equals_a_loop():
+    """The Triton kernel itself (the GPU path; the test above runs the torch form): clipped spans,
+    negative starts, masked columns, the values, no write past the destination."""
+    from tests.unit.interpreter import run_under_interpreter
+
+    assert "22 cases, 0 failures" in run_under_interpreter("_row_span_interp.py")
+
+
 def test_spill_arrays_refuse_a_shared_area_not_laid_out_as_its_rows():
     """The spill kernel indexes every shared array with the token rows' shared row numbers: a shared
     array with fewer rows, or a strided one, is refused (the view side is checked elsewhere)."""
