@@ -265,6 +265,41 @@ def check_in_place_bounds(failures: list[str]) -> None:
         failures.append("get in place: a route past the source's rows or to rank != 0 was read")
 
 
+def check_unread_routes(failures: list[str]) -> None:
+    """A route get_rows does not read adds exactly 0, whatever its weight or its row holds: weights
+    NaN or Inf at dropped routes and at a route past `capacity`, and (own_rows_of, the sum of
+    return_transfer="put") NaN in the receive rows of routes put_rows did not deliver. Brute force:
+    Python loops over the read routes, fp32 sums in route order."""
+    from megatron_ext.kernels.row_transfer import get_rows, peer_table_from_buffers
+
+    M, T, K, C, H = 2, 9, 3, 16, 40
+    gen = torch.Generator().manual_seed(5)
+    dest_rank, dest_row = random_routes(T, K, M, C, drop=0.3, seed=5)
+    dest_rank[1, 2], dest_row[1, 2] = 1, C  # past capacity
+    read = (dest_rank >= 0) & (dest_row >= 0) & (dest_row < C)
+    weights = torch.rand(T, K, generator=gen)
+    unread = (~read).nonzero().tolist()
+    for i, (t, k) in enumerate(unread):
+        weights[t, k] = float("nan") if i % 2 else float("inf")
+    peers = [torch.randn(C, H, generator=gen) for _ in range(M)]
+    received = torch.randn(T * K, H, generator=gen)
+    received[(~read).flatten()] = float("nan")  # put_rows_back writes nothing there
+    want_peers, want_own = torch.zeros(T, H), torch.zeros(T, H)
+    for t in range(T):
+        for k in range(K):
+            if read[t, k]:
+                want_peers[t] += weights[t, k] * peers[int(dest_rank[t, k])][int(dest_row[t, k])]
+                want_own[t] += weights[t, k] * received[t * K + k]
+    assert len(unread) >= 4, "too few unread routes to test"
+    out = get_rows(peer_table_from_buffers(peers), dest_rank, dest_row, torch.empty(T, H), weights, capacity=C)
+    if not torch.allclose(out, want_peers, rtol=1e-6, atol=1e-6):
+        failures.append("get with NaN/Inf weights at unread routes: differs from the loop over read routes")
+    own = get_rows(peer_table_from_buffers([received]), dest_rank, dest_row, torch.empty(T, H), weights,
+                   capacity=C, own_rows_of=M)
+    if not torch.allclose(own, want_own, rtol=1e-6, atol=1e-6):
+        failures.append("get own rows: an undelivered route's receive row was read, or the sum differs")
+
+
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.unit.interpreter import interpreter_ready
@@ -294,6 +329,8 @@ def main() -> int:
         check_in_place(dtype, T=9, K=3, C=16, seed=20, failures=failures)
         cases += 1
     check_in_place_bounds(failures)
+    cases += 1
+    check_unread_routes(failures)
     cases += 1
     for line in failures:
         print("MISMATCH", line)
