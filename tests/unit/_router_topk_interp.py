@@ -12,6 +12,7 @@ rank and on two tensor-parallel ranks (the loss's counts summed over tp_cp).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -401,6 +402,51 @@ def check_ties() -> None:
     print("ok ties")
 
 
+def check_topk_against_loops() -> None:
+    """router_topk on logits full of ties (multiples of 0.5) and with one NaN logit in some tokens,
+    against Python loops: K rounds of the largest logit, NaN ranking above every number (as in
+    torch.topk), the lowest expert id on ties; probabilities as a float64 softmax over the selected
+    logits (or, pre-softmax, over all) times the scale; a token whose selection holds a NaN gets NaN
+    probabilities, its K routes counted as non-finite."""
+    from megatron_ext.kernels.route_plan import BLOCK_TOKENS
+    from megatron_ext.kernels.router_topk import router_topk
+
+    num_tokens, num_experts, topk, scale = 45, 10, 3, 1.5
+    gen = torch.Generator().manual_seed(31)
+    logits = torch.randint(-4, 5, (num_tokens, num_experts), generator=gen).float() * 0.5
+    nan_tokens = (2, 17, 40)
+    for token in nan_tokens:  # one NaN at a random expert: it must be picked first
+        logits[token, int(torch.randint(0, num_experts, (), generator=gen))] = float("nan")
+    for pre_softmax in (False, True):
+        out = router_topk(logits, topk, pre_softmax, scale)
+        case = f"top-k against loops pre_softmax={pre_softmax}"
+        want_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+        want_probs = torch.zeros(num_tokens, topk, dtype=torch.float64)
+        want_hist = torch.zeros(-(-num_tokens // BLOCK_TOKENS), num_experts, dtype=torch.int32)
+        for t in range(num_tokens):
+            row = [float(v) for v in logits[t]]
+            order = sorted(range(num_experts), key=lambda e: (not math.isnan(row[e]), -row[e] if row[e] == row[e]
+                                                              else 0.0, e))
+            chosen = sorted(order[:topk])
+            want_map[t, chosen] = True
+            want_hist[t // BLOCK_TOKENS, chosen] += 1
+            pool = range(num_experts) if pre_softmax else chosen
+            if t not in nan_tokens:
+                top = max(row[e] for e in pool)
+                total = sum(math.exp(row[e] - top) for e in pool)
+                want_probs[t] = torch.tensor([math.exp(row[e] - top) / total * scale for e in chosen])
+        assert torch.equal(out["routing_map"], want_map), f"{case}: routing map (ties, NaN first)"
+        assert torch.equal(out["top_idx"].long(), want_map.nonzero()[:, 1].view(num_tokens, topk)), f"{case}: ids"
+        assert torch.equal(out["counts"], want_map.sum(0).int()), f"{case}: counts"
+        assert torch.equal(out["hist"], want_hist), f"{case}: block histograms"
+        assert int(out["nonfinite"]) == topk * len(nan_tokens), f"{case}: non-finite count {int(out['nonfinite'])}"
+        finite = torch.tensor([t not in nan_tokens for t in range(num_tokens)])
+        assert out["top_probs"][~finite].isnan().all(), f"{case}: probabilities of a token with a NaN logit"
+        torch.testing.assert_close(out["top_probs"][finite].double(), want_probs[finite], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: f"{case}: probabilities\n{m}")
+    print("ok top-k against loops (ties, NaN logits, scale)")
+
+
 def main() -> int:
     from tests.unit.interpreter import fix_interpreter_bf16_dot, interpreter_ready
 
@@ -416,6 +462,7 @@ def main() -> int:
         (50, 10, 1, False, None, torch.float32),     # top-1
         (64, 16, 2, False, None, torch.bfloat16),    # bf16 logits (router dtype bf16)
         (45, 6, 2, False, None, torch.bfloat16),     # bf16 with few experts, T not a multiple of 32
+        (40, 12, 3, True, 2.5, torch.bfloat16),     # bf16 with a scaling factor: scaled, then rounded
     ]
     for seed, case in enumerate(cases):
         check_case(*case, seed=10 * seed)
@@ -428,6 +475,7 @@ def main() -> int:
     check_router_module_tensor_parallel()  # forks its ranks: before this process starts its own group
     check_router_module()
     check_ties()
+    check_topk_against_loops()
     print("all fused-router checks passed")
     return 0
 
