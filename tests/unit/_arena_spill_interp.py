@@ -1,7 +1,7 @@
 """The arena's one-launch spill kernel (kernels/arena_spill.py) against a brute-force loop, under
 Triton's CPU interpreter: every array (rows, probabilities, return ids, activations) moved for
-exactly the rows P .. valid_rows - 1, both directions, nothing else written; spans that would
-leave either buffer are clipped, counts at or below P move nothing.
+exactly the rows P .. valid_rows - 1, both directions, nothing else written (canary rows around
+every array); spans that would leave either buffer are clipped, counts at or below P move nothing.
 
     TRITON_INTERPRET=1 python tests/unit/_arena_spill_interp.py
 """
@@ -15,6 +15,7 @@ import torch
 from megatron_ext.kernels.arena_spill import SpillArrays, launch_spill, move_spill
 
 VIEW, SHARED, REGION, H, F = 12, 10, 5, 6, 3
+GUARD, CANARY = 2, -77  # rows around every array the run writes, and what they hold
 
 
 def arrays(seed: int, ids: bool, act: bool) -> SpillArrays:
@@ -31,6 +32,20 @@ def arrays(seed: int, ids: bool, act: bool) -> SpillArrays:
 
 def clone(a: SpillArrays) -> SpillArrays:
     return SpillArrays(*(None if t is None else t.clone() for t in vars(a).values()))
+
+
+def guarded_clone(a: SpillArrays) -> tuple[SpillArrays, dict[str, torch.Tensor]]:
+    """clone(a) with every array a view into a longer buffer with GUARD canary rows on each side (a
+    write outside an array lands there, deterministically), and those buffers by field."""
+    views, buffers = {}, {}
+    for field, tensor in vars(a).items():
+        if tensor is None:
+            views[field] = None
+            continue
+        buffers[field] = torch.full((len(tensor) + 2 * GUARD, *tensor.shape[1:]), CANARY, dtype=tensor.dtype)
+        views[field] = buffers[field][GUARD:GUARD + len(tensor)]
+        views[field].copy_(tensor)
+    return SpillArrays(**views), buffers
 
 
 def brute_force(a: SpillArrays, valid: int, start: int, restore: bool) -> SpillArrays:
@@ -61,12 +76,16 @@ def main() -> int:
                     base = arrays(cases, ids, act)
                     want = brute_force(base, valid, start, restore)
                     for name, run in (("kernel", launch_spill), ("torch form", move_spill)):
-                        got = clone(base)
+                        got, buffers = guarded_clone(base)
                         run(got, torch.tensor(valid, dtype=torch.int32), REGION, torch.tensor(start), restore)
                         for field, tensor in vars(got).items():
                             if tensor is not None and not torch.equal(tensor, getattr(want, field)):
                                 failures.append(f"{name} ids={ids} act={act} valid={valid} start={start} "
                                                 f"restore={restore}: {field} differs")
+                        for field, buffer in buffers.items():
+                            if not ((buffer[:GUARD] == CANARY).all() and (buffer[-GUARD:] == CANARY).all()):
+                                failures.append(f"{name} ids={ids} act={act} valid={valid} start={start} "
+                                                f"restore={restore}: a row outside {field} was written")
                     cases += 1
     print(f"{cases} cases, {len(failures)} failures")
     for failure in failures:
