@@ -190,8 +190,10 @@ def check_put_back(M: int, T: int, K: int, C: int, seed: int, failures: list[str
         assert bool((returns[owner][:received[owner]] >= 0).all()), "random_routes packs each rank's rows"
     if M > 1 and received[0] > 1:  # hostile ids below the count: one past the end, one negative
         returns[0][0], returns[0][1] = T * K * M, -3
-    back = [torch.full((T * K, 8), -9.0) for _ in range(M)]
-    back_values = [torch.full((T * K, 1), -9.0) for _ in range(M)]
+    # the routes' buffers are views with two canary rows after them: an id one past the end writes there
+    back_full = [torch.full((T * K + 2, 8), -9.0) for _ in range(M)]
+    back_values_full = [torch.full((T * K + 2, 1), -9.0) for _ in range(M)]
+    back, back_values = [b[:T * K] for b in back_full], [b[:T * K] for b in back_values_full]
     results = [torch.randn(C, 8, generator=gen) for _ in range(M)]
     result_values = [torch.rand(C, generator=gen) for _ in range(M)]
     for owner in range(M):
@@ -206,6 +208,8 @@ def check_put_back(M: int, T: int, K: int, C: int, seed: int, failures: list[str
             if 0 <= rid < T * K * M:
                 want[rid % M][rid // M] = results[owner][row]
                 want_values[rid % M][rid // M] = result_values[owner][row]
+    if not all((b[T * K:] == -9.0).all() for b in back_full + back_values_full):
+        failures.append(f"put_rows_back {name}: a row past the routes' buffer was written")
     if not all(torch.equal(a, w) for a, w in zip(back, want)):
         failures.append(f"put_rows_back {name}: rows differ from the brute force")
     if not all(torch.equal(a, w) for a, w in zip(back_values, want_values)):
