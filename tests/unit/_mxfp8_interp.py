@@ -48,6 +48,17 @@ def main() -> None:
     torch.manual_seed(0)
     for name, x in make_spec_inputs(seed=1).items():
         check_quantize(name, x)
+    # Into column slices of wider byte buffers holding 0xA5: the bytes around them stay untouched
+    # (a row of 3 blocks runs in a tile of 4: the fourth is masked).
+    x = torch.randn(7, 96) * 100
+    values_buf = torch.full((7, 96 + 64), 0xA5, dtype=torch.uint8)
+    scales_buf = torch.full((7, 3 + 4), 0xA5, dtype=torch.uint8)
+    views = mxfp8.MXFP8Rows(values_buf[:, 32:128].view(mxfp8.VALUE_DTYPE), scales_buf[:, 2:5].view(mxfp8.SCALE_DTYPE))
+    kernels.quantize_rows_triton(x, out=views)
+    want = mxfp8.quantize_rows(x)
+    check("quantize into views: bytes", same_bits(views.values, want.values) and same_bits(views.scales, want.scales))
+    outside = torch.cat([values_buf[:, :32], values_buf[:, 128:], scales_buf[:, :2], scales_buf[:, 5:]], dim=1)
+    check("quantize into views: nothing written outside them", bool((outside == 0xA5).all()))
     # Shapes: N not a multiple of the rows per program, blocks not a power of two, several
     # block tiles per row, and a strided (sliced) input.
     check_quantize("odd_shape", torch.randn(7, 96) * 100)
