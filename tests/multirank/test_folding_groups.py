@@ -98,6 +98,8 @@ def _refused_rank(rank, world, mesh_world, mesh_kwargs, gtp_remat=None):
 # (id, mesh world, mesh kwargs, Megatron initialized first with, GTP remat size Megatron reports, message)
 REFUSALS = [
     ("world", 8, dict(ep=2), None, None, r"mesh world_size 8 != torch.distributed world size 4"),
+    # a mesh smaller than the job is refused too, not only a larger one
+    ("world-smaller", 2, dict(), None, None, r"mesh world_size 2 != torch.distributed world size 4"),
     ("gtp-remat", 4, dict(), None, 2,
      r"get_gtp_weight_remat_world_size\(\) = 2; FoldingMesh does not model GTP remat axes"),
     # same groups as the mesh, but Megatron was initialized without VPP / with one optimizer instance

@@ -13,7 +13,7 @@ from megatron.core.parallel_state import RankGenerator, _inject_gtp_remat_axis
 from megatron_ext.parallel.folding import FoldingMesh
 from megatron_ext.parallel.rank_groups import ATTENTION_KINDS, EXPERT_KINDS, rank_groups
 from megatron_ext.parallel.memory import GIB, ModelShape, Precision, estimate, fits, render_memory, stage_layers
-from megatron_ext.parallel.render import short_list
+from megatron_ext.parallel.render import short_list, text_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -252,6 +252,30 @@ def test_summary_lists_every_group_kind_and_node_locality():
         ["expert", "ep (EP_MP)", "4", "4", "[0, 1, 2, 3]", "yes"],
         ["expert", "edp (EP_DP)", "8", "2", "[0, 4]", "yes"],
     ]
+
+
+
+def test_text_table_pads_to_the_widest_cell_or_header_and_aligns_per_column():
+    """Column widths are max(header, cells); column 0 is left-aligned (`left`), the others right-aligned,
+    cells joined by two spaces and trailing blanks stripped. Expected lines written out by hand."""
+    text = text_table(["name", "count"], [["a", "10"], ["bcdef", "7"]], indent="> ", left=(0,))
+    assert text.splitlines() == [
+        "> name   count",
+        "> a         10",
+        "> bcdef      7",
+    ]
+
+
+def test_summary_node_locality_needs_every_group_in_one_node_and_shows_expert_edp():
+    """World 6, TP3 on nodes of 4: tp groups [0, 1, 2] (node 0) and [3, 4, 5] (nodes 0 and 1), so
+    "in one node" is "no" although one group stays in a node. World 8, TP2 (DP4) with ETP1 EP4 (EDP2):
+    the per-stage line multiplies ETP*EP*EDP = 1*4*2, not ETP*EP*DP = 16."""
+    lines = FoldingMesh(6, tp=3).render_summary(gpus_per_node=4).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("mesh"))
+    tp_row = re.split(r"\s{2,}", lines[header + 1].strip())
+    assert tp_row == ["attention", "tp", "2", "3", "[0, 1, 2]", "no"]
+    text = FoldingMesh(8, tp=2, ep=4, etp=1).render_summary()
+    assert "  per stage  TP*CP*DP = 8 = ETP*EP*EDP = 8 ranks" in text.splitlines()
 
 
 # ---------------------------------------------------------------- memory
