@@ -234,6 +234,25 @@ def test_graph_runner_helpers_keep_main_grad_and_learn_the_flags():
     assert fc1.grad_added_to_main_grad and fc2.grad_added_to_main_grad and not router.grad_added_to_main_grad
 
 
+def test_main_grads_set_aside_keeps_one_stand_in_per_dtype():
+    """DDP may keep fp32 and bf16 main_grads side by side (bf16 gradient reduction): each stand-in has
+    its main_grad's dtype and shape, one scratch per dtype (the largest of that dtype), and a write
+    to a stand-in never reaches the original."""
+    a, b, c = (torch.zeros(shape, requires_grad=True) for shape in ((2, 3), (5,), (4, 2)))
+    attach_main_grads([a, b])  # fp32: 6 and 5 elements
+    attach_main_grads([c], dtype=torch.bfloat16)  # bf16: 8 elements
+    originals = [a.main_grad, b.main_grad, c.main_grad]
+    with main_grads_set_aside([a, b, c]):
+        assert [(p.main_grad.dtype, tuple(p.main_grad.shape)) for p in (a, b, c)] == [
+            (torch.float32, (2, 3)), (torch.float32, (5,)), (torch.bfloat16, (4, 2))]
+        assert a.main_grad.untyped_storage().data_ptr() == b.main_grad.untyped_storage().data_ptr()
+        assert a.main_grad.untyped_storage().nbytes() == 6 * 4 and c.main_grad.untyped_storage().nbytes() == 8 * 2
+        for p in (a, b, c):
+            p.main_grad.fill_(7)
+    assert [p.main_grad for p in (a, b, c)] == originals
+    assert all(torch.equal(m, torch.zeros_like(m)) for m in originals)
+
+
 def test_megatron_ddp_protocol_is_what_the_experts_follow():
     """megatron-core 0.19.2: the hook skips its add when grad_added_to_main_grad is set (unless
     zero_out_wgrad), and zero_grad_buffer resets the flag. If this fails, revisit
