@@ -455,6 +455,10 @@ def _megatron_group_swap_rank(rank, world):
         report = install_replica_groups(ddp, folding.dp_cp_group, expert_group)
         assert any(line.startswith("expert") and "replaced" in line for line in report), report
         assert warned and "now reduces over the folding mesh's" in warned.pop(), "a replaced group must be said"
+        # the expert buffers record the group too (Megatron regroups buckets from buffer.data_parallel_group)
+        want = dist.get_process_group_ranks(expert_group)
+        assert all(dist.get_process_group_ranks(b.data_parallel_group) == want for b in ddp.expert_parallel_buffers)
+        assert all(dist.get_process_group_ranks(b.data_parallel_group) == [0, 1, 2, 3] for b in ddp.buffers)
         ddp.zero_grad_buffer()
         x, g = rank_tokens(rank, TOKENS, HIDDEN)
         ((ddp(x) * g).sum() / TOKENS).backward()
@@ -472,6 +476,36 @@ def _megatron_group_swap_rank(rank, world):
 def test_megatron_hook_controls_the_expert_reduction_group():
     for wrong, right in run_on_ranks(_megatron_group_swap_rank, 4, sizes=ParallelSizes(ep=2)):
         assert wrong > 1e-3 and right < 1e-6, (wrong, right)
+
+
+def _scaling_rank(rank, world):
+    """Megatron's own scaling factors pass the averaging rule: 1 / |DP x CP| = 1/4 for a mean loss, 1.0
+    with calculate_per_token_loss (the loss is divided by the global token count instead); a factor
+    off by one part in a million is refused."""
+    import pytest
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_ext.ddp.megatron_hook import FoldingDistributedDataParallel, install_replica_groups
+
+    folding = FoldingMesh(world, ep=2).create_groups()
+    model, _ = build(ep=2)
+    model.moe.config.calculate_per_token_loss = True  # this forked rank's config only
+    per_token = FoldingDistributedDataParallel(model.moe.config, DistributedDataParallelConfig(), model,
+                                               folding_groups=folding)
+    factors = {b.gradient_scaling_factor for bg in per_token.bucket_groups + per_token.expert_parallel_bucket_groups
+               for b in bg.buckets}
+    model, _ = build(ep=2)
+    mean = FoldingDistributedDataParallel(model.moe.config, DistributedDataParallelConfig(), model,
+                                          folding_groups=folding)
+    mean.bucket_groups[0].buckets[0].gradient_scaling_factor *= 1 + 1e-6
+    with pytest.raises(ValueError, match=r"dense bucket group 0 scales gradients by 0.25, the averaging rule "
+                                         r"wants 0.25 \(mean over the 4 DP x CP ranks\)"):
+        install_replica_groups(mean, folding.dp_cp_group, folding.ep_dp_group)
+    return factors
+
+
+def test_megatron_scaling_factors_pass_the_averaging_rule_and_a_small_error_does_not():
+    assert run_on_ranks(_scaling_rank, 4, sizes=ParallelSizes(ep=2)) == [{1.0}] * 4
 
 
 def _steps_checked_rank(rank, world, argvs):

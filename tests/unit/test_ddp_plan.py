@@ -218,6 +218,56 @@ def test_megatron_launcher_launches_in_fixed_order_whatever_the_request_order():
     assert launched == [0, 1, 2] and launcher.log == [0, 1, 2]
 
 
+def test_megatron_launcher_serves_a_request_made_inside_a_launch_after_it():
+    """Megatron's start_grad_sync may ask for the next group's launch from inside its own (the fp32
+    reduce-scatter drain, 0.19.2): that launch must start after the one in progress returns, never
+    nested in it. Written out: group 0 starts, asks for group 1 from inside, ends; then group 1."""
+    from megatron_ext.ddp.megatron_hook import _OrderedLauncher
+
+    events = []
+    order = [object(), object()]
+
+    def original(g, **kwargs):
+        events.append(f"start {order.index(g)}")
+        if g is order[0]:
+            launcher.request(order[1])  # re-entrant request
+        events.append(f"end {order.index(g)}")
+
+    launcher = _OrderedLauncher(order, {id(g): (lambda g=g, **kw: original(g, **kw)) for g in order})
+    launcher.request(order[0])
+    assert events == ["start 0", "end 0", "start 1", "end 1"] and launcher.log == [0, 1]
+
+
+def test_fixed_launch_order_is_installed_once():
+    """A second install returns the first launcher and leaves the bucket groups' start_grad_sync on it
+    (wrapping twice would route each launch through two launchers); a step still launches each group
+    once, in backward order."""
+    from types import SimpleNamespace
+
+    from megatron_ext.ddp.megatron_hook import install_fixed_launch_order
+
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
+    module = torch.nn.Module()
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+    launched = []
+
+    def group(name, index):
+        bucket_group = SimpleNamespace(name=name, buckets=[SimpleNamespace(params_list=[params[index]])])
+        bucket_group.start_grad_sync = lambda force_all_reduce=False: launched.append(name)
+        return bucket_group
+
+    first, second = group("D[0]", 0), group("E[1]", 1)
+    ddp = SimpleNamespace(module=module, bucket_groups=[first], expert_parallel_bucket_groups=[second],
+                          ddp_config=SimpleNamespace(overlap_grad_reduce=True))
+    launcher = install_fixed_launch_order(ddp)
+    hooks = (first.start_grad_sync, second.start_grad_sync, ddp.start_grad_sync)
+    assert install_fixed_launch_order(ddp) is launcher
+    assert (first.start_grad_sync, second.start_grad_sync, ddp.start_grad_sync) == hooks
+    ddp.start_grad_sync()
+    assert launched == ["E[1]", "D[0]"] and launcher.log == [0, 1]
+
+
 @pytest.mark.parametrize("attr,why", [("sequence_parallel", "summed over tensor-parallel ranks"),
                                       ("average_gradients_across_tp_domain", "averaged over tensor-parallel ranks"),
                                       ("shared_embedding", "summed over the first and last pipeline stages")])
