@@ -480,8 +480,9 @@ def test_megatron_hook_controls_the_expert_reduction_group():
 
 def _scaling_rank(rank, world):
     """Megatron's own scaling factors pass the averaging rule: 1 / |DP x CP| = 1/4 for a mean loss, 1.0
-    with calculate_per_token_loss (the loss is divided by the global token count instead); a factor
-    off by one part in a million is refused."""
+    with calculate_per_token_loss (the loss is divided by the global token count instead), and with
+    average_in_collective the factor times the collective's 1/size; a factor off by one part in a
+    million is refused."""
     import pytest
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -494,6 +495,11 @@ def _scaling_rank(rank, world):
                                                folding_groups=folding)
     factors = {b.gradient_scaling_factor for bg in per_token.bucket_groups + per_token.expert_parallel_bucket_groups
                for b in bg.buckets}
+    model, _ = build(ep=2)  # averaging in the collective: dense 1.0 over 4 ranks, experts 2/4 over EP_DP's 2
+    averaged = FoldingDistributedDataParallel(model.moe.config, DistributedDataParallelConfig(
+        average_in_collective=True), model, folding_groups=folding)
+    in_collective = [{b.gradient_scaling_factor for bg in groups for b in bg.buckets}
+                     for groups in (averaged.bucket_groups, averaged.expert_parallel_bucket_groups)]
     model, _ = build(ep=2)
     mean = FoldingDistributedDataParallel(model.moe.config, DistributedDataParallelConfig(), model,
                                           folding_groups=folding)
@@ -501,11 +507,11 @@ def _scaling_rank(rank, world):
     with pytest.raises(ValueError, match=r"dense bucket group 0 scales gradients by 0.25, the averaging rule "
                                          r"wants 0.25 \(mean over the 4 DP x CP ranks\)"):
         install_replica_groups(mean, folding.dp_cp_group, folding.ep_dp_group)
-    return factors
+    return factors, in_collective
 
 
 def test_megatron_scaling_factors_pass_the_averaging_rule_and_a_small_error_does_not():
-    assert run_on_ranks(_scaling_rank, 4, sizes=ParallelSizes(ep=2)) == [{1.0}] * 4
+    assert run_on_ranks(_scaling_rank, 4, sizes=ParallelSizes(ep=2)) == [({1.0}, [{1.0}, {0.5}])] * 4
 
 
 def _steps_checked_rank(rank, world, argvs):
