@@ -167,6 +167,47 @@ def test_nan_loss_fails_unless_golden_is_nan():
     assert not failed(compare.compare_metrics({"lm loss": golden(with_nan)}, {"lm loss": golden(with_nan)}, **kwargs))
 
 
+def test_a_nan_against_a_number_fails_the_approximate_check_too():
+    """With the exact check informational (nondeterminism allowed), the rtol check alone must see a NaN:
+    2 of 10 steps NaN is beyond the allowance of 1 step; NaN against NaN is equal."""
+    base = losses(10)
+    with_nan = {**base, 4: math.nan, 5: math.nan}
+    kwargs = dict(metrics=["lm loss"], allow_nondeterministic=True)
+    results = compare.compare_metrics({"lm loss": golden(base)}, {"lm loss": golden(with_nan)}, **kwargs)
+    assert [r.message.split(";")[0] for r in failed(results)] == ["2 of 10 steps differ (allowed 1)"]
+    assert not failed(compare.compare_metrics({"lm loss": golden(with_nan)}, {"lm loss": golden(with_nan)}, **kwargs))
+
+
+def test_steady_window_skips_two_startup_steps_and_includes_its_last_step():
+    """Six steps: len // 4 = 1, so at least 2 startup steps are skipped: window 3..6. The median is
+    taken over the window's steps inclusive of its end: 3, 4, 5, 6 -> (1.0 + 1.08) / 2 = 1.04 when
+    only the last two steps are slower, inside rtol 0.05 of golden 1.0 (steps 3-5 alone would give
+    1.0; a window from step 2 would take in a startup step and give 1.08, failing)."""
+    assert compare.default_steady_window([1, 2, 3, 4, 5, 6]) == (3, 6)
+    assert compare.default_steady_window(list(range(1, 9))) == (3, 8)
+    golden_time = {s: 1.0 for s in range(1, 7)}
+    actual_time = {**golden_time, 1: 9.0, 2: 9.0, 5: 1.08, 6: 1.08}  # steps 1-2: startup
+    result, = compare.compare_metrics({"iteration-time": golden(golden_time)},
+                                      {"iteration-time": golden(actual_time)}, ["iteration-time"], False)
+    assert result.passed and result.message.startswith("median over steps 3..6: actual 1.04 vs golden 1 ")
+
+
+def test_a_time_or_memory_regression_from_a_zero_golden_value_fails_with_a_message():
+    """A zero golden value (e.g. no memory allocated on a CPU run) and a larger actual value: a failing
+    result, not a division by zero while writing the percentage."""
+    zeros = {s: 0.0 for s in range(1, 9)}
+    result, = compare.compare_metrics({"mem-allocated-bytes": golden(zeros)},
+                                      {"mem-allocated-bytes": golden({s: 5.0 for s in zeros})},
+                                      ["mem-allocated-bytes"], False)
+    assert not result.passed and result.message == "median over steps 3..8: actual 5 vs golden 0 (rtol 0.05)"
+
+
+def test_golden_format_keeps_the_step_interval():
+    assert compare.to_golden_format({2: 1.0, 4: 2.0, 6: 3.0}) == {
+        "start_step": 2, "end_step": 6, "step_interval": 2, "values": {"2": 1.0, "4": 2.0, "6": 3.0}}
+    assert compare.to_golden_format({7: 1.0})["step_interval"] == 1
+
+
 def test_restrict_steps_keeps_the_resumed_part():
     values = {"lm loss": golden(losses(50))}
     resumed = compare.restrict_steps(values, 26)["lm loss"]
@@ -187,6 +228,9 @@ def test_resumed_run_is_compared_with_megatrons_restart_average_at_its_second_st
     # one printed unit off at the averaged step (Megatron averages unrounded values): still a pass
     off_by_a_unit = {**resumed, "lm loss": golden({26: 0.2502398, 27: 0.2131772, 28: 0.1448189})}
     assert not failed(compare.compare_resumed(H200_RUN_1, off_by_a_unit, 26, ["lm loss"], False))
+    # two printed units off is beyond the 1.5-unit allowance (mean 0.2131771, unit 1e-7)
+    off_by_two = {**resumed, "lm loss": golden({26: 0.2502398, 27: 0.2131773, 28: 0.1448189})}
+    assert failed(compare.compare_resumed(H200_RUN_1, off_by_two, 26, ["lm loss"], False))
     # a resumed run that really differs fails: at the averaged step, and at any other step
     wrong_mean = {"lm loss": golden({26: 0.2502398, 27: 0.1761144, 28: 0.1448189})}
     assert failed(compare.compare_resumed(H200_RUN_1, wrong_mean, 26, ["lm loss"], False))
