@@ -283,6 +283,20 @@ def test_megatron_log_lines_become_metrics():
     assert series["mem-max-allocated-bytes"] == {1: 2048.25 * 2 ** 20}
 
 
+def test_log_lines_with_long_steps_open_last_fields_and_unreadable_values():
+    """Step 120 (several digits); a last field without its closing bar; a value that is not a number
+    is NaN at its step (a failing step, never a missing one); only the requested metrics come back."""
+    text = (" iteration      120/     200 | elapsed time per iteration (ms): 50.0 | lm loss: 2.500000E+00 | "
+            "num zeros: 7\n"
+            " iteration      121/     200 | lm loss: nan-ish | num zeros: 8 |\n")
+    series = log_metrics.parse_log(text)
+    assert series["lm loss"][120] == 2.5 and math.isnan(series["lm loss"][121])
+    assert series["num-zeros"] == {120: 7.0, 121: 8.0} and series["iteration-time"] == {120: 0.05}
+    values = log_metrics.metrics_from_log(text, ["num-zeros"])
+    assert values == {"num-zeros": {"start_step": 120, "end_step": 121, "step_interval": 1,
+                                    "values": {"120": 7.0, "121": 8.0}}}
+
+
 def test_cpu_job_lines_parse_like_megatrons():
     line = (" iteration        3/      10 | elapsed time per iteration (ms): 41.2 | lm loss: 3.460552E+00 | "
             "dropped routes: 0 | MoE host syncs: 0 |")
