@@ -335,6 +335,34 @@ TEST_TYPE: regular
         case_config.model_args_to_argv({"--x": "${NOPE}"}, {})
 
 
+def test_yaml_subset_reads_what_yaml_reads():
+    """As PyYAML reads these: '#' starts a comment only after a blank; a signed integer stays an int;
+    a '- item' list may sit at its key's indentation; a line indented under a scalar is an error, not
+    dropped."""
+    text = """
+MODEL_ARGS:
+  --tag: run#2  # the comment is after the blank
+  --seed: -3
+METRICS:
+- lm loss
+- num-zeros
+TEST_TYPE: regular
+"""
+    parsed = case_config.load_yaml_subset(text)
+    assert parsed == {"MODEL_ARGS": {"--tag": "run#2", "--seed": -3},
+                      "METRICS": ["lm loss", "num-zeros"], "TEST_TYPE": "regular"}
+    assert case_config.model_args_to_argv(parsed["MODEL_ARGS"], {}) == ["--tag", "run#2", "--seed", "-3"]
+    with pytest.raises(ValueError, match="unexpected indentation at 'B: 2'"):
+        case_config.load_yaml_subset("A: 1\n  B: 2\n")
+
+
+def test_exact_checks_are_required_unless_the_case_allows_nondeterminism():
+    case = case_config.FunctionalCase("gpt/x", "/nowhere", {})
+    assert not case.allow_nondeterministic  # no ENV_VARS: deterministic
+    case.config["ENV_VARS"] = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": 1}
+    assert case.allow_nondeterministic
+
+
 EXPECTED_CASES = {"gpt/tiny_moe_rowwise_cpu_ep2", "gpt/moe_rowwise_1gpu", "gpt/moe_rowwise_1gpu_ckpt_resume",
                   "gpt/moe_rowwise_ep8_folding"}
 
@@ -606,7 +634,8 @@ def test_train_variant_appends_flags_and_reads_the_log(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [("  iteration-tim: 0.15\n", "must name one of METRICS"),
-                                              ("  lm loss: -1\n", "positive rtol")])
+                                              ("  lm loss: -1\n", "positive rtol"),
+                                              ("  lm loss: 0\n", "positive rtol")])
 def test_rtol_overrides_are_validated(overrides, match, tmp_path, monkeypatch):
     case_dir = tmp_path / "gpt" / "bad_rtol"
     case_dir.mkdir(parents=True)
