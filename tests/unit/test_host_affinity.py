@@ -23,6 +23,14 @@ def test_ranks_of_one_host_take_different_cores():
             host_affinity.choose_core(cores, rank, 2)
 
 
+def test_ranks_share_uneven_and_unordered_cores_in_core_order():
+    """Rank r of R on N cores takes the floor(r * N / R)-th lowest core: 10 cores over 4 ranks give
+    indices 0, 2, 5, 7 (shares 2.5 wide); the allowed set's iteration order does not matter
+    ({3, 17, 40, 100} iterates 40 first)."""
+    assert [host_affinity.choose_core(set(range(10)), rank, 4) for rank in range(4)] == [0, 2, 5, 7]
+    assert [host_affinity.choose_core({3, 17, 40, 100}, rank, 2) for rank in range(2)] == [3, 40]
+
+
 def test_host_core_reads_the_local_rank_and_the_cores_the_launcher_allowed(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})
     monkeypatch.setenv("RANK", "5")  # the global rank says nothing about this host
@@ -93,6 +101,13 @@ def test_pinning_a_thread_happens_once():
     core = min(os.sched_getaffinity(0))
     assert _in_thread(lambda: (host_affinity.pin_current_thread(core), host_affinity.pin_current_thread(core),
                                _own_affinity())) == (True, False, {core})
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two allowed cores")
+def test_a_thread_pinned_to_one_core_can_be_moved_to_another():
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    assert _in_thread(lambda: (host_affinity.pin_current_thread(first), host_affinity.pin_current_thread(second),
+                               _own_affinity())) == (True, True, {second})
 
 
 def test_megatron_dispatcher_refuses_pinning():
