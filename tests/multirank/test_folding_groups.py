@@ -116,3 +116,20 @@ REFUSALS = [
 def test_create_groups_refuses_what_the_mesh_does_not_describe(mesh_world, mesh_kwargs, sizes, gtp_remat, message):
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(_refused_rank, 4, mesh_world, mesh_kwargs, gtp_remat=gtp_remat, sizes=sizes)
+
+
+def _other_order_rank(rank, world):
+    from megatron_ext.parallel import megatron_groups
+
+    kwargs_of = megatron_groups.megatron_kwargs  # this forked rank only: Megatron gets another order
+    megatron_groups.megatron_kwargs = lambda mesh: {**kwargs_of(mesh), "order": "tp-cp-ep-pp-dp"}
+    FoldingMesh(world, pp=2).create_groups(create_gloo_process_groups=False)
+
+
+def test_groups_created_for_another_layout_are_refused_as_created():
+    """Groups this call created (not adopted) that differ from the mesh: PP2 on 4 ranks with pp before dp
+    gives data-parallel groups [0, 2] and [1, 3]; the mesh's (pp last) are [0, 1] and [2, 3]. Every rank
+    fails; whichever is reported names its dp_group first."""
+    with pytest.raises(RankFailure, match=r"disagrees with the mesh \(.*\): rank \d dp_group is \[(0, 2|1, 3)\], "
+                                          r"the mesh expects \[(0, 1|2, 3)\]"):
+        run_on_ranks(_other_order_rank, 4)
