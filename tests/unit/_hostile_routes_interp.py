@@ -5,8 +5,8 @@
 M local CPU buffers stand in for peers; each is allocated with CANARY extra rows past its capacity
 C, filled with a sentinel, and the kernels get `capacity=C`. A route map is corrupted by hand:
 rows at C, C+1 and 2^30, a rank equal to M and one far past it. Checked for put_rows (plain and
-row-scaled), put_rows_mxfp8 and get_rows: no canary row changes, no row outside the table is read
-(the out-of-range routes add exactly 0 and their gathered rows are 0), and every other route's
+row-scaled), put_rows_mxfp8, get_rows and put_return.sum_returned: no canary row changes, no row
+outside the table is read (the out-of-range routes add exactly 0 and their gathered rows are 0), and every other route's
 result equals the same call on the map with the bad routes dropped (-1). Exits 0 when all hold.
 `--unbounded` calls the kernels without `capacity` (the rank bound only, as before the fix): the
 row checks must then fail, which shows they can see an out-of-range write.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -54,6 +55,7 @@ def main() -> int:
     from megatron_ext.kernels.mxfp8_put import put_rows_mxfp8
     from megatron_ext.kernels.row_transfer import get_rows, peer_table_from_buffers, put_rows
     from megatron_ext.formats.mxfp8 import packed_row_bytes
+    from megatron_ext.moe.transport.put_return import ReceiveBuffer, sum_returned
 
     failures = []
     T, K, H, C = 8, 2, 64, 16
@@ -99,6 +101,12 @@ def main() -> int:
             get_rows(own, rank, row, dest, capacity=C, own_rows_of=M)
         if torch.isnan(out).any() or not torch.equal(out, out_ref):
             failures.append(f"sum of own rows M={M}: undelivered routes were read")
+        # the same through put_return.sum_returned, which passes the owners' capacity on
+        receive = ReceiveBuffer(SimpleNamespace(local=received[:T * K]), own, None)
+        sums = [sum_returned(receive, SimpleNamespace(dest_rank=rank, dest_row=row), M, C, with_values=False)[0]
+                for rank, row in ((bad_rank, bad_row), (clean_rank, clean_row))]
+        if torch.isnan(sums[0]).any() or not torch.equal(sums[0], sums[1]):
+            failures.append(f"put_return.sum_returned M={M}: undelivered routes were read")
     for line in failures:
         print("FAIL", line)
     print(f"hostile routes: {len(failures)} failures")
