@@ -456,6 +456,19 @@ def test_metric_sinks_refuse_counters_the_route_launch_would_write_out_of_bounds
     with pytest.raises(ValueError, match="on cpu .* on meta"):  # another device: the launch cannot write there
         MetricSinks(running=torch.zeros(12, dtype=torch.int64, device="meta")).check(4, 2, cpu)
 
+def test_metric_sinks_refuse_a_strided_view_of_the_right_shape():
+    """The route launch writes 2E + 4 consecutive int64s: a strided view of the right shape, dtype and
+    device (every other element of a [24] tensor) would have them land on the wrong elements."""
+    from megatron_ext.moe.metric_sinks import MetricSinks
+
+    strided = torch.zeros(24, dtype=torch.int64)[::2]  # shape (12,), int64, cpu, stride 2
+    assert tuple(strided.shape) == (12,) and not strided.is_contiguous()
+    with pytest.raises(ValueError, match=r"MetricSinks.running must be a contiguous int64 tensor of shape \(12,\)"):
+        MetricSinks(running=strided).check(4, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"MetricSinks.peak_demand must be a contiguous"):
+        MetricSinks(overflow=torch.zeros(12, dtype=torch.int64),
+                    peak_demand=torch.zeros(4, dtype=torch.int64)[::2]).check(4, 2, torch.device("cpu"))
+
 
 def test_plan_keep_refuses_per_destination_capacities_for_unevenly_sharded_experts():
     """The arena's [M] capacities skip the host capacity check, not the sharding one."""
