@@ -127,6 +127,19 @@ def test_peer_timeout_follows_megatrons_distributed_timeout(monkeypatch):
     monkeypatch.setattr(global_vars, "get_args", uninitialised)
     assert peer_timeout_seconds() == dist.distributed_c10d.default_pg_timeout.total_seconds()
 
+def test_a_peer_failure_inside_an_enclosing_phase_keeps_the_inner_phase():
+    """A collective that failed inside another named phase is reported once, by the phase that ran it:
+    the enclosing phase lets PeerFailure through instead of wrapping it in its own name."""
+    from megatron_ext.moe.peer_failure import PeerFailure, named_phase
+
+    with pytest.raises(PeerFailure) as failure:
+        with named_phase("CUDA-graph capture agreement", None, 60.0):
+            with named_phase("route-count exchange", None):
+                raise RuntimeError("Connection closed by peer")
+    assert str(failure.value) == ("megatron_ext rowwise MoE: the route-count exchange failed on this rank (no process "
+                                  "group): a peer of the group stopped (crashed, was killed, stalled or raised). "
+                                  "Cause: RuntimeError: Connection closed by peer")
+
 
 def test_the_kernels_barrier_bound_is_twice_the_watchdogs():
     """The device barrier's own trap fires after the watchdog, whose message names phase and group."""
