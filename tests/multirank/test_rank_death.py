@@ -84,3 +84,33 @@ def test_survivor_names_the_first_forward_agreement():
     report = str(failure.value)
     assert "PeerFailure" in report and "the first-forward agreement on the largest microbatch failed on rank 0" \
         in report, report[-3000:]
+
+
+def _name_a_failed_phase(rank, world):
+    """A group of global rank 1 alone: its rank in the group (0) is not its global rank (1)."""
+    import torch.distributed as dist
+
+    from megatron_ext.moe.peer_failure import PeerFailure, named_phase
+
+    group = dist.new_group([1])  # every rank creates it; only rank 1 is a member
+    if rank != 1:
+        return None
+    messages = []
+    for timeout_s in (90.0, None):
+        try:
+            with named_phase("combine", group, timeout_s):
+                raise RuntimeError("Connection reset by peer")
+        except PeerFailure as failure:
+            messages.append(str(failure))
+    return messages
+
+
+def test_a_failed_phase_names_the_group_rank_the_global_rank_and_the_bound():
+    """The message names this rank in the group and globally (different here: global rank 1 is rank 0
+    of the group [1]) and, when there is one, the bound on the waits (90 s)."""
+    _, (bounded, unbounded) = run_on_ranks(_name_a_failed_phase, 2, timeout=BOUND_S)
+    where = "the combine failed on rank 0 (global rank 1) of the expert-parallel group [1]"
+    assert where in bounded and where in unbounded, (bounded, unbounded)
+    assert "stopped (crashed, was killed, stalled or raised) (waits are bounded by 90 s). Cause: RuntimeError: " \
+           "Connection reset by peer" in bounded, bounded
+    assert "raised). Cause: RuntimeError: Connection reset by peer" in unbounded, unbounded
