@@ -168,6 +168,14 @@ def test_several_rowwise_settings_under_megatrons_dispatcher_are_named_together(
         MoEExtConfig(dispatcher="megatron", capacity_factor=2.0, lease_slots=2)
 
 
+
+def test_a_setting_passed_at_its_default_value_is_not_a_change():
+    """Equal to the default is unchanged, also for a float object of its own (as a command line parses
+    it): dispatcher='megatron' accepts capacity_factor=1.25 and arena_region_factor=1.0 spelt out."""
+    config = MoEExtConfig(dispatcher="megatron", capacity_factor=float("1.25"), arena_region_factor=float("1.0"))
+    assert config.changed_fields() == ["dispatcher"]
+    assert MoEExtConfig(dropless=True, capacity_factor=float("1.25")).changed_fields() == ["dropless"]
+
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
 def test_arena_region_factor_is_checked_without_the_arena_too(value):
     with pytest.raises(ValueError, match="arena_region_factor must be > 0 and finite"):
