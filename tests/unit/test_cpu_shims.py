@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_ext import _cpu
-from megatron_ext.cpu_ranks import run_on_ranks
+from megatron_ext.cpu_ranks import ParallelSizes, run_on_ranks
 
 ALL_SHIMS = ["dynamo", "streams", "device", "rng", "split_sizes", "uneven_all_gather", "sequence_parallel_norm"]
 
@@ -79,3 +79,21 @@ def test_torch_norm_under_sequence_parallel_tags_its_parameters(sequence_paralle
     norm = WrappedTorchNorm(config, 8, eps=1e-6)
     assert type(norm) is norm_type and norm.eps == 1e-6 and tuple(norm.weight.shape) == (8,)
     assert [p.sequence_parallel for p in norm.parameters()] == [sequence_parallel] * len(list(norm.parameters()))
+
+
+def _model_parallel_draws(rank, world):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.manual_seed(99)  # the default generator elsewhere: the tracker's state must not depend on it
+    with get_cuda_rng_tracker().fork():  # "model-parallel-rng", seeded by init_megatron_parallel (1234)
+        tracked = torch.rand(3).tolist()
+    return tracked, torch.rand(3).tolist()
+
+
+def test_the_model_parallel_rng_is_seeded_by_megatrons_formula_and_leaves_the_default_generator():
+    """On CPU the tracker's states are CPU generator states: model_parallel_cuda_manual_seed(1234) seeds
+    the model-parallel one with 1234 + 2718 + tp_rank (megatron-core 0.19.2), and a fork restores the
+    default generator afterwards."""
+    tracked, after = run_on_ranks(_model_parallel_draws, 1, sizes=ParallelSizes(), timeout=60)[0]
+    assert tracked == torch.rand(3, generator=torch.Generator().manual_seed(1234 + 2718)).tolist()
+    assert after == torch.rand(3, generator=torch.Generator().manual_seed(99)).tolist()
