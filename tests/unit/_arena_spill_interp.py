@@ -8,6 +8,7 @@ every array); spans that would leave either buffer are clipped, counts at or bel
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -87,11 +88,11 @@ def main() -> int:
                                 failures.append(f"{name} ids={ids} act={act} valid={valid} start={start} "
                                                 f"restore={restore}: a row outside {field} was written")
                     cases += 1
-    print(f"{cases} cases, {len(failures)} failures")
-    for failure in failures:
-        print(failure)
-    return 1 if failures else 0
+    return report(cases, failures)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.unit.interpreter import report
+
     sys.exit(main())

@@ -26,18 +26,11 @@ class OnDevice(torch.Tensor):
         return True
 
 
-def brute_force(src, dst, count, src_start, dst_start):
-    out = dst.clone()
-    for j in range(max(count, 0)):
-        s, d = src_start + j, dst_start + j
-        if 0 <= s < src.shape[0] and 0 <= d < dst.shape[0]:
-            out[d] = src[s]
-    return out
-
-
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from megatron_ext.kernels.row_span import copy_row_span
+    from tests.unit.interpreter import report
+    from tests.unit.test_row_span import brute_force
 
     failures, cases = [], 0
     spans = [(0, 0, 0), (3, 0, 0), (5, 2, 7), (-4, 0, 0), (20, 1, 3), (4, 9, 0), (6, 0, 10), (5, -2, 1),
@@ -62,10 +55,7 @@ def main() -> int:
             if not torch.equal(values_backing[:12], want_values) or not (values_backing[12:] == -5.0).all():
                 failures.append(f"{case}: values differ from the loop, or a value past dst was written")
             cases += 1
-    print(f"{cases} cases, {len(failures)} failures")
-    for failure in failures:
-        print(failure)
-    return 1 if failures else 0
+    return report(cases, failures)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def check_against_autograd(case: str, valid: int) -> list[str]:
 
 
 def main() -> int:
-    from tests.unit.interpreter import interpreter_ready
+    from tests.unit.interpreter import interpreter_ready, report
 
     if not interpreter_ready():  # fp32 -> bf16 casts round to nearest even, as on a GPU
         return 2
@@ -122,9 +122,7 @@ def main() -> int:
     for valid in (ROWS - 3, ROWS):
         cases += 1
         failures += check_against_autograd(f"against autograd, valid {valid}", valid)
-    print("\n".join(failures))
-    print(f"{cases} cases, {len(failures)} failures")
-    return 1 if failures else 0
+    return report(cases, failures)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def report(cases: int, failures: list[str]) -> int:
+    """A check script's last lines: the case and failure counts, each failure, and its exit code."""
+    print(f"{cases} cases, {len(failures)} failures")
+    for failure in failures:
+        print(failure)
+    return 1 if failures else 0
+
+
 def run_under_interpreter(script_name: str, timeout: float = 240) -> str:
     """Run tests/unit/<script_name>; assert it exits 0 and return its stdout."""
     proc, = run_at_once([[script_name]], timeout)
