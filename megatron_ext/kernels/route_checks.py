@@ -32,17 +32,19 @@ def check_selection(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -
 
 
 def check_plan_inputs(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: torch.Tensor,
-                      requested_all: torch.Tensor, topk: int, dest_capacity: torch.Tensor | None,
-                      blocks: int) -> None:
-    """plan_and_place's arguments: the [T, E] routing map, its [blocks, E] int32 block histograms and
-    [] int32 non-finite count (select_routes' outputs), the gathered [M, E] integer counts, [M]
-    dest_capacity if given, all on the routing map's device."""
+                      requested_all: torch.Tensor, topk: int, dest_capacity: torch.Tensor | None) -> None:
+    """plan_and_place's arguments: the [T, E] routing map, its int32 block histograms (one per
+    BLOCK_TOKENS tokens) and [] int32 non-finite count (select_routes' outputs), the gathered
+    [M, E] integer counts, [M] dest_capacity if given, all on the routing map's device."""
     key = ("plan_and_place", layout(routing_map), layout(hist), layout(nonfinite), layout(requested_all), topk,
-           layout(dest_capacity), blocks)
+           layout(dest_capacity))
     if key in VALIDATED:
         return
+    from megatron_ext.kernels.route_plan import BLOCK_TOKENS  # the kernels' module imports this one
+
     require(routing_map.dim() == 2, f"plan_and_place: routing_map must be [T, E], got shape {tuple(routing_map.shape)}")
     num_experts = routing_map.shape[1]
+    blocks = -(-routing_map.shape[0] // BLOCK_TOKENS)
     require(isinstance(topk, int) and 1 <= topk <= num_experts,
             f"plan_and_place: topk must be an int in [1, {num_experts}] (the number of experts), got {topk!r}")
     require(hist.dtype == torch.int32 and hist.shape == (blocks, num_experts),

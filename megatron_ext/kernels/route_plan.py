@@ -267,8 +267,7 @@ def plan_and_place(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: tor
     `arena` (moe/arena.ArenaCursor): the capacities come from its cursor, which the launch moves.
     `sinks` (moe/metric_sinks.MetricSinks): the launch adds `packed` into them (what `sinks.add`
     does in torch)."""
-    check_plan_inputs(routing_map, hist, nonfinite, requested_all, topk, dest_capacity,
-                      triton.cdiv(routing_map.shape[0], BLOCK_TOKENS) if routing_map.dim() == 2 else 0)
+    check_plan_inputs(routing_map, hist, nonfinite, requested_all, topk, dest_capacity)
     m = requested_all.shape[0]
     if sinks is not None:
         sinks.check(routing_map.shape[1], m, routing_map.device)
