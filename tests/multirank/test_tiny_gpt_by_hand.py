@@ -6,6 +6,7 @@ which labels equal to the inputs, an unaveraged loss or a model that sees the fu
 import math
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron_ext import tiny_gpt
 from megatron_ext.config import MoEExtConfig
@@ -61,3 +62,32 @@ def test_first_loss_is_a_fresh_models_and_attention_is_causal():
         assert abs(loss - math.log(cfg.vocab)) < 0.3, f"rank {rank}: first loss {loss:.3f} vs ln(V)"
         assert future > 0, f"rank {rank}: changed tokens changed no logits"
         assert past < 1e-5, f"rank {rank}: logits before position {cfg.seq_len // 2} saw later tokens ({past:.2e})"
+
+
+def _repeated_step_grads_rank(rank, world, cfg):
+    grads = []
+
+    def record(optimizer, args, kwargs):
+        grads.append([p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None])
+
+    batch = tiny_gpt.synthetic_batch
+    tiny_gpt.synthetic_batch = lambda cfg, step, rank: batch(cfg, 0, rank)  # in this forked rank only
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        tiny_gpt.train(rank, world, cfg, MoEExtConfig(transport="torch"), 2)
+    finally:
+        handle.remove()
+    return grads
+
+
+def test_each_step_uses_only_its_own_gradients():
+    """lr=0 and the same batch every step: the parameters never move, so step 2's gradients must equal
+    step 1's (a loop that kept the old gradients would show twice them)."""
+    cfg = TinyGPTConfig(layers=1, seq_len=16, lr=0.0)
+    for rank, (first, second) in enumerate(run_on_ranks(_repeated_step_grads_rank, 2, cfg,
+                                                        sizes=ParallelSizes(ep=2))):
+        assert len(first) == len(second) > 0
+        assert any(torch.count_nonzero(g) for g in first), f"rank {rank}: no gradient at all"
+        for i, (a, b) in enumerate(zip(first, second)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=lambda m: f"rank {rank} param {i}: {m}")
