@@ -28,3 +28,14 @@ def test_oracle_comparison_detects_a_perturbed_expert_weight():
     # Rank 1's experts serve both ranks' tokens, so either rank may report first.
     with pytest.raises(RankFailure, match=r"rank [01] (output|input grad|fc1 grads): max abs error"):
         run_on_ranks(_megatron_layer_rank, 2, "alltoall", perturb_rank=1, sizes=ParallelSizes(ep=2))
+
+
+def _megatron_topk_rank(rank, world, topk):
+    return run_and_compare(rank, Case(topk=topk, experts=6), megatron_moe_layer)
+
+
+@pytest.mark.parametrize("topk", [3, 4])
+def test_megatron_moe_layer_matches_oracle_at_other_topk(topk):
+    """The oracle's top-k and softmax against Megatron's beyond k=2 (k=1 needs Megatron's pre-softmax
+    router, which the oracle does not model)."""
+    run_on_ranks(_megatron_topk_rank, 2, topk, sizes=ParallelSizes(ep=2))
