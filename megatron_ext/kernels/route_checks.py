@@ -12,20 +12,26 @@ import torch
 from megatron_ext.kernels.row_checks import VALIDATED, layout, require
 
 
+def _experts_of(op: str, routing_map: torch.Tensor, topk: int) -> int:
+    """The routing map's expert count E, after checking the map is [T, E] and 1 <= topk <= E."""
+    require(routing_map.dim() == 2, f"{op}: routing_map must be [T, E], got shape {tuple(routing_map.shape)}")
+    num_experts = routing_map.shape[1]
+    require(isinstance(topk, int) and 1 <= topk <= num_experts,
+            f"{op}: topk must be an int in [1, {num_experts}] (the number of experts), got {topk!r}")
+    return num_experts
+
+
 def check_selection(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> None:
     """select_routes' arguments: a [T, E] routing map, [T, E] floating probabilities on its device,
     1 <= topk <= E."""
     key = ("select_routes", layout(routing_map), layout(probs), topk)
     if key in VALIDATED:
         return
-    require(routing_map.dim() == 2, f"select_routes: routing_map must be [T, E], got shape {tuple(routing_map.shape)}")
-    num_experts = routing_map.shape[1]
+    _experts_of("select_routes", routing_map, topk)
     require(probs.shape == routing_map.shape,
             f"select_routes: probs must have the routing map's shape {tuple(routing_map.shape)}, got "
             f"{tuple(probs.shape)} (the router's [T, E] probabilities, not its top-k values)")
     require(probs.is_floating_point(), f"select_routes: probs must be floating point, got {probs.dtype}", TypeError)
-    require(isinstance(topk, int) and 1 <= topk <= num_experts,
-            f"select_routes: topk must be an int in [1, {num_experts}] (the number of experts), got {topk!r}")
     require(probs.device == routing_map.device,
             f"select_routes: probs are on {probs.device}, the routing map on {routing_map.device}; keep both on one")
     VALIDATED.add(key)
@@ -42,11 +48,8 @@ def check_plan_inputs(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: 
         return
     from megatron_ext.kernels.route_plan import BLOCK_TOKENS  # the kernels' module imports this one
 
-    require(routing_map.dim() == 2, f"plan_and_place: routing_map must be [T, E], got shape {tuple(routing_map.shape)}")
-    num_experts = routing_map.shape[1]
+    num_experts = _experts_of("plan_and_place", routing_map, topk)
     blocks = -(-routing_map.shape[0] // BLOCK_TOKENS)
-    require(isinstance(topk, int) and 1 <= topk <= num_experts,
-            f"plan_and_place: topk must be an int in [1, {num_experts}] (the number of experts), got {topk!r}")
     require(hist.dtype == torch.int32 and hist.shape == (blocks, num_experts),
             f"plan_and_place: hist must be select_routes' int32 [{blocks}, {num_experts}] block histograms, got "
             f"{hist.dtype} {tuple(hist.shape)}")
@@ -62,10 +65,10 @@ def check_plan_inputs(routing_map: torch.Tensor, hist: torch.Tensor, nonfinite: 
         require(dest_capacity.shape == (ranks,) and not dest_capacity.is_floating_point(),
                 f"plan_and_place: dest_capacity must be integer rows per destination, [{ranks}], got "
                 f"{dest_capacity.dtype} {tuple(dest_capacity.shape)}")
-    others = (("hist", hist), ("nonfinite", nonfinite), ("requested_all", requested_all),
-              ("dest_capacity", dest_capacity))
-    for name, t in others:
-        require(t is None or t.device == routing_map.device,
-                f"plan_and_place: {name} is on {t.device if t is not None else None}, the routing map on "
-                f"{routing_map.device}; keep all on one device")
+    tables = {"hist": hist, "nonfinite": nonfinite, "requested_all": requested_all, "dest_capacity": dest_capacity}
+    for name, t in tables.items():
+        if t is not None:
+            require(t.device == routing_map.device,
+                    f"plan_and_place: {name} is on {t.device}, the routing map on {routing_map.device}; keep all "
+                    f"on one device")
     VALIDATED.add(key)

@@ -33,8 +33,7 @@ import functools
 import torch
 
 from megatron_ext.kernels.row_checks import (BUFFER_DTYPES, VALIDATED, check_common, check_put_rows_back,
-                                             check_return_table,
-                                             check_runnable, layout, require, row_bound)
+                                             check_return_table, check_runnable, layout, require, row_bound)
 
 try:
     import triton
